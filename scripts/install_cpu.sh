@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one install recipe for CPU machines (README and .ci/run both call it).
+#
+# Creates ./.venv (override with GRAFT_VENV) holding:
+#   * torch 2.14.1 + torchvision 0.29.1. SGLang 0.5.23 pins torch==2.14.1 and imports
+#     torchvision.transforms from sglang.srt.configs. PyPI has no CPU build of torchvision, and the
+#     CUDA-built torchvision fails to load against the local CPU torch 2.13.0 wheel
+#     ("operator torchvision::nms does not exist"), so the CPU-only torch 2.13.0 cannot serve SGLang.
+#     The PyPI (CUDA-built) torch 2.14.1 / torchvision 0.29.1 pair imports and runs on CPU.
+#   * sglang==0.5.23 installed with --no-deps (its full dependency list pulls GPU kernels that do
+#     not install or import here) plus the explicit list of modules it imports to serve.
+#   * this package in editable mode with its test extras.
+# Idempotent: re-running on a ready venv only checks it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${GRAFT_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --quiet --progress-bar off)
+CONSTRAINTS="$ROOT/scripts/cpu_constraints.txt"
+
+"${PIP[@]}" --upgrade pip wheel setuptools >/dev/null
+# 1. torch pair (see header).
+"${PIP[@]}" -c "$CONSTRAINTS" torch torchvision
+# 2. SGLang without its GPU dependency list, then what it needs to import and serve.
+"${PIP[@]}" -c "$CONSTRAINTS" --no-deps sglang
+"${PIP[@]}" -c "$CONSTRAINTS" -r "$ROOT/scripts/sglang_cpu_requirements.txt"
+# 3. graft-spec itself (editable) with test/bench extras.
+"${PIP[@]}" -c "$CONSTRAINTS" -e "$ROOT[test,bench]"
+
+"$VENV/bin/python" - <<'PY'
+import torch, torchvision, transformers, sglang, graft_spec
+print(f"install_cpu: torch {torch.__version__}, torchvision {torchvision.__version__}, "
+      f"transformers {transformers.__version__}, sglang {sglang.__version__}, graft_spec ok")
+PY
