@@ -1,0 +1,299 @@
+"""Validated configuration for Graft (prune-then-graft speculative decoding).
+
+One model, one validator: every way of building a config (`GraftConfig(...)`,
+`GraftConfig.from_file`, `GraftConfig.from_env`, `load_config`) ends in
+`GraftConfig.model_validate`, so a value rejected in one path is rejected in all.
+
+Vocabulary (paper = Graft, arXiv 2605.20104, Sec. 3; see docs in
+/work/shared/reference/speculative-decoding-landscape.md §1):
+
+* ``num_draft_tokens`` (N): verify budget per request per step, *root included*
+  (same meaning as SGLang's ``--speculative-num-draft-tokens``).
+* ``topk`` / ``depth``: EAGLE draft width and number of draft steps
+  (SGLang ``--speculative-eagle-topk`` / ``--speculative-num-steps``).
+* ``checkpoints``: confidence-gating stages. At checkpoint ``s`` the request's
+  confidence c_d = exp(max cumulative draft log-prob over nodes at depth ``d``) is
+  compared with ``threshold``; the first checkpoint (in increasing depth) whose
+  confidence is below its threshold selects the stage, and only ``keep`` draft
+  nodes (root excluded) survive; the other ``N - 1 - keep`` slots go to retrieval.
+  No checkpoint firing keeps the full draft tree.
+* ``retrieval``: successor matrix (token recycling), per-request suffix index,
+  optional shared corpus.
+* ``graft``: how freed slots are filled.
+
+Precedence in `load_config`: file < environment < explicit overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "PruneStage",
+    "RetrievalConfig",
+    "GraftPolicy",
+    "GraftConfig",
+    "load_config",
+]
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class PruneStage(BaseModel):
+    """One confidence-gating checkpoint (paper Sec. 3.1, "pruning as budget release").
+
+    Fields:
+        depth: node depth (root = 0, first draft tokens = 1) whose best cumulative
+            draft probability is the confidence c_d; 1 <= depth <= GraftConfig.depth.
+        threshold: prune when c_d < threshold; open interval (0, 1).
+        keep: draft nodes (root excluded) kept when this stage fires; >= 1.
+    """
+
+    model_config = _STRICT
+
+    depth: int = Field(ge=1, le=64, description="checkpoint node depth, 1..depth")
+    threshold: float = Field(gt=0.0, lt=1.0, description="prune if c_d < threshold, in (0,1)")
+    keep: int = Field(ge=1, description="draft nodes kept (root excluded) when the stage fires")
+
+
+class RetrievalConfig(BaseModel):
+    """Retrieval sources feeding the freed budget (paper Sec. 3.2).
+
+    Successor matrix (token recycling): ``[V, successor_k]`` int32, row t = target's
+    top-k after token t. Candidate subtrees are expanded from the root token with a
+    rank template whose node priors are ``successor_prior * successor_rank_decay**rank``
+    until online hit rates take over (see retrieval/successor.py).
+
+    Suffix index: per-request counting trie over prompt + generated tokens, depth
+    ``suffix_max_depth``; matches use at most ``suffix_max_match`` context tokens;
+    continuations below ``suffix_min_prob`` (product of child/parent count ratios) are
+    dropped; ``suffix_max_nodes`` caps the trie per request (eviction in suffix.py).
+
+    Corpus: shared counting trie loaded from ``corpus_path`` (JSON/JSONL token-id lists),
+    capped at ``corpus_max_mb`` megabytes of index.
+    """
+
+    model_config = _STRICT
+
+    successor: bool = True
+    successor_k: int = Field(default=8, ge=1, le=64)
+    successor_max_depth: int = Field(default=8, ge=1, le=64)
+    successor_prior: float = Field(default=0.4, gt=0.0, lt=1.0)
+    successor_rank_decay: float = Field(default=0.5, gt=0.0, lt=1.0)
+
+    suffix: bool = True
+    suffix_max_depth: int = Field(default=16, ge=2, le=128)
+    suffix_max_match: int = Field(default=8, ge=1, le=127)
+    suffix_min_prob: float = Field(default=0.1, ge=0.0, lt=1.0)
+    suffix_max_nodes: int = Field(default=200_000, ge=64)
+
+    corpus: bool = False
+    corpus_path: Optional[str] = None
+    corpus_max_mb: float = Field(default=256.0, gt=0.0)
+
+    max_candidates: int = Field(default=64, ge=1, le=4096,
+                                description="candidate nodes per source per request")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RetrievalConfig":
+        if self.suffix_max_match >= self.suffix_max_depth:
+            raise ValueError(
+                f"retrieval.suffix_max_match ({self.suffix_max_match}) must be < "
+                f"retrieval.suffix_max_depth ({self.suffix_max_depth}) so a match leaves room "
+                "for a continuation")
+        if self.corpus and not self.corpus_path:
+            raise ValueError("retrieval.corpus_path is required when retrieval.corpus is true")
+        return self
+
+
+class GraftPolicy(BaseModel):
+    """How the freed budget is filled (paper Sec. 3.3, Algorithm 2).
+
+    Fields:
+        min_score: retrieved nodes whose estimated path acceptance probability is below
+            this value are dropped, in [0, 1).
+        root_width: at most this many *new* retrieved children of the root (None = no
+            cap), so retrieval does not crowd the root level.
+        refill_with_draft: slots that retrieval cannot fill are given back to the best
+            pruned draft nodes before padding is used.
+    """
+
+    model_config = _STRICT
+
+    min_score: float = Field(default=0.0, ge=0.0, lt=1.0)
+    root_width: Optional[int] = Field(default=None, ge=1)
+    refill_with_draft: bool = True
+
+
+class GraftConfig(BaseModel):
+    """Top-level Graft configuration (immutable, validated).
+
+    Raises:
+        pydantic.ValidationError: any field out of range, unknown fields
+            (extra="forbid"), inconsistent checkpoints (depths not strictly increasing or
+            deeper than ``depth``; keep counts not strictly increasing or >= N), or a
+            budget the EAGLE tree cannot fill (N - 1 > topk + (depth - 1) * topk**2,
+            the size of SGLang's score space, eagle_utils.py:100).
+    """
+
+    model_config = _STRICT
+
+    num_draft_tokens: int = Field(default=24, ge=2, le=1024,
+                                  description="verify budget N per request, root included")
+    topk: int = Field(default=4, ge=2, le=64, description="EAGLE draft width")
+    depth: int = Field(default=4, ge=1, le=64, description="EAGLE draft steps")
+    checkpoints: tuple[PruneStage, ...] = ()
+    retrieval: RetrievalConfig = RetrievalConfig()
+    graft: GraftPolicy = GraftPolicy()
+
+    @model_validator(mode="after")
+    def _check(self) -> "GraftConfig":
+        n = self.num_draft_tokens
+        space = self.topk + (self.depth - 1) * self.topk ** 2
+        if n - 1 > space:
+            raise ValueError(
+                f"num_draft_tokens={n} needs N-1 <= topk + (depth-1)*topk^2 = {space} "
+                f"(topk={self.topk}, depth={self.depth}); raise topk/depth or lower N")
+        prev_depth, prev_keep = 0, 0
+        for i, st in enumerate(self.checkpoints):
+            if st.depth > self.depth:
+                raise ValueError(f"checkpoints[{i}].depth={st.depth} must be <= depth={self.depth}")
+            if st.depth <= prev_depth:
+                raise ValueError(f"checkpoints[{i}].depth={st.depth} must be > previous "
+                                 f"checkpoint depth {prev_depth} (strictly increasing)")
+            if st.keep <= prev_keep:
+                raise ValueError(f"checkpoints[{i}].keep={st.keep} must be > previous keep "
+                                 f"{prev_keep} (strictly increasing)")
+            if st.keep >= n:
+                raise ValueError(f"checkpoints[{i}].keep={st.keep} must be < num_draft_tokens={n}")
+            prev_depth, prev_keep = st.depth, st.keep
+        return self
+
+    # ------------------------------------------------------------------ loaders
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "GraftConfig":
+        """Load from a ``.json``, ``.yaml`` or ``.yml`` file.
+
+        Raises:
+            FileNotFoundError: missing file.
+            ValueError: unknown suffix or a top level that is not a mapping.
+            pydantic.ValidationError: invalid content.
+        """
+        return cls.model_validate(_read_file(path))
+
+    @classmethod
+    def from_env(cls, prefix: str = "GRAFT_", environ: Optional[Mapping[str, str]] = None
+                 ) -> "GraftConfig":
+        """Build from environment variables (see `env_overrides` for the naming rule)."""
+        return cls.model_validate(env_overrides(prefix, environ))
+
+
+def _read_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix == ".json":
+        data = json.loads(text)
+    elif p.suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(text)
+    else:
+        raise ValueError(f"config file {p}: unknown suffix {p.suffix!r} (use .json, .yaml or .yml)")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def env_overrides(prefix: str = "GRAFT_", environ: Optional[Mapping[str, str]] = None
+                  ) -> dict[str, Any]:
+    """Turn ``{prefix}FIELD`` variables into a nested override dict.
+
+    Naming: ``GRAFT_NUM_DRAFT_TOKENS=60``; nested fields use a double underscore,
+    ``GRAFT_RETRIEVAL__SUFFIX_MAX_DEPTH=16``; lists are YAML/JSON,
+    ``GRAFT_CHECKPOINTS='[{depth: 1, threshold: 0.35, keep: 8}]'``. Values are parsed
+    with ``yaml.safe_load`` (so ``true``/``60``/``0.5`` get their types).
+    ``{prefix}CONFIG`` is reserved for a config file path (read by `load_config`).
+    Unknown names reach the validator and are rejected there.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(prefix) or key == prefix + "CONFIG":
+            continue
+        parts = [p.lower() for p in key[len(prefix):].split("__")]
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"environment variable {key}: {part} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        parts = k.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        if isinstance(v, Mapping):
+            v = _expand_dotted(v)
+        if isinstance(node.get(parts[-1]), dict) and isinstance(v, dict):
+            node[parts[-1]] = _deep_merge(node[parts[-1]], v)
+        else:
+            node[parts[-1]] = v
+    return out
+
+
+def load_config(file: Optional[str | os.PathLike] = None,
+                overrides: Optional[Mapping[str, Any]] = None,
+                env: bool = True,
+                prefix: str = "GRAFT_",
+                environ: Optional[Mapping[str, str]] = None) -> GraftConfig:
+    """The single loading path used by the engine adapters and scripts.
+
+    Args:
+        file: JSON/YAML path; when None and ``env`` is true, ``{prefix}CONFIG`` is used
+            if set.
+        overrides: explicit values (e.g. CLI flags); nested dicts or dotted keys
+            (``{"retrieval.suffix_max_depth": 12}``). ``None`` values are ignored so
+            unset CLI flags do not clobber the file.
+        env: read ``{prefix}*`` variables (see `env_overrides`).
+        environ: mapping used instead of ``os.environ`` (tests).
+
+    Returns:
+        GraftConfig validated once from file < env < overrides.
+
+    Raises:
+        pydantic.ValidationError, ValueError, FileNotFoundError (see `GraftConfig.from_file`).
+    """
+    e = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if file is None and env and e.get(prefix + "CONFIG"):
+        file = e[prefix + "CONFIG"]
+    if file is not None:
+        data = _read_file(file)
+    if env:
+        data = _deep_merge(data, env_overrides(prefix, e))
+    if overrides:
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        data = _deep_merge(data, _expand_dotted(clean))
+    return GraftConfig.model_validate(data)

@@ -1,0 +1,122 @@
+"""Confidence gating: how many draft nodes each request keeps (paper Sec. 3.1).
+
+At each checkpoint depth d the confidence is c_d = exp(max_j S_{d,j}), the best
+cumulative draft probability among draft nodes at depth d (the same signal as ECHO's
+sparse gating). Checkpoints are visited in increasing depth; the first whose c_d is
+below its threshold fires and sets the request's draft budget K_s = ``keep``. When
+none fires the request keeps ``num_nodes - 1`` draft nodes (plain EAGLE). A depth
+with no draft node has c_d = 0 and therefore always fires.
+
+The kept nodes are the K best by cumulative log-prob (ties: lower index first), after
+making scores monotone along paths, so the kept set is always ancestor-closed. Different
+requests keep different counts; the result is a validity mask, not a ragged tree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .config import PruneStage
+from .tree import SOURCE_DRAFT, DraftTree, node_depths, path_min
+
+__all__ = ["PruneResult", "checkpoint_confidence", "select_stage", "prune"]
+
+
+@dataclass
+class PruneResult:
+    """Outcome of `prune` for a batch.
+
+    Attributes:
+        keep: ``bool[B, N]`` kept nodes (root always kept), ancestor-closed.
+        stage: ``int64[B]`` index of the checkpoint that fired, -1 if none fired.
+        budget: ``int64[B]`` draft-node budget K (root excluded) for the request.
+        num_kept: ``int64[B]`` draft nodes actually kept (root excluded), <= budget.
+        confidence: ``float32[B, S]`` c_d at each checkpoint (S = number of checkpoints).
+    """
+
+    keep: torch.Tensor
+    stage: torch.Tensor
+    budget: torch.Tensor
+    num_kept: torch.Tensor
+    confidence: torch.Tensor
+
+
+def checkpoint_confidence(logp: torch.Tensor, depths: torch.Tensor, eligible: torch.Tensor,
+                          checkpoint_depths: Sequence[int]) -> torch.Tensor:
+    """c_d = exp(max cumulative log-prob at depth d) per request and checkpoint.
+
+    Args:
+        logp: ``float[B, N]`` cumulative draft log-prob per node.
+        depths: ``int64[B, N]`` node depths.
+        eligible: ``bool[B, N]`` nodes that count (draft, finite score).
+        checkpoint_depths: S depths.
+    Returns:
+        ``float32[B, S]`` in [0, 1]; 0 where no eligible node sits at that depth.
+    """
+    b = logp.shape[0]
+    if len(checkpoint_depths) == 0:
+        return torch.zeros(b, 0, device=logp.device)
+    cd = torch.tensor(list(checkpoint_depths), device=logp.device)
+    at = (depths[:, None, :] == cd[None, :, None]) & eligible[:, None, :]       # [B, S, N]
+    best = torch.where(at, logp[:, None, :].float(), torch.full((), -math.inf, device=logp.device))
+    return best.amax(dim=2).exp()
+
+
+def select_stage(confidence: torch.Tensor, thresholds: torch.Tensor, keeps: torch.Tensor,
+                 full_budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First fired checkpoint and the resulting draft budget.
+
+    Args:
+        confidence: ``float[B, S]``; thresholds: ``float[S]``; keeps: ``int64[S]``.
+        full_budget: budget when nothing fires (N - 1).
+    Returns:
+        ``(stage int64[B] (-1 = none), budget int64[B])``.
+    """
+    b = confidence.shape[0]
+    if confidence.shape[1] == 0:
+        return (torch.full((b,), -1, dtype=torch.int64, device=confidence.device),
+                torch.full((b,), full_budget, dtype=torch.int64, device=confidence.device))
+    fired = confidence < thresholds[None, :]
+    any_fired = fired.any(dim=1)
+    first = fired.to(torch.int8).argmax(dim=1)
+    stage = torch.where(any_fired, first, -1)
+    budget = torch.where(any_fired, keeps[first], full_budget)
+    return stage, budget
+
+
+def prune(tree: DraftTree, checkpoints: Sequence[PruneStage], num_nodes: int) -> PruneResult:
+    """Choose a stage per request and keep its best K draft nodes.
+
+    Args:
+        tree: draft tree ``[B, Nd]`` (e.g. from `eagle_rerank`); only SOURCE_DRAFT nodes
+            with finite ``logp`` are candidates for keeping.
+        checkpoints: validated stages (GraftConfig.checkpoints), increasing depth.
+        num_nodes: output budget N of the hybrid tree; K never exceeds N - 1.
+    Returns:
+        `PruneResult`.
+    """
+    b, nd = tree.tokens.shape
+    device = tree.device
+    depths = node_depths(tree.parents)
+    eligible = (tree.source == SOURCE_DRAFT) & torch.isfinite(tree.logp)
+    eligible[:, 0] = False
+    conf = checkpoint_confidence(tree.logp, depths, eligible, [c.depth for c in checkpoints])
+    thr = torch.tensor([c.threshold for c in checkpoints], device=device, dtype=torch.float32)
+    keeps = torch.tensor([c.keep for c in checkpoints], device=device, dtype=torch.int64)
+    stage, budget = select_stage(conf, thr, keeps, num_nodes - 1)
+    budget = budget.clamp(max=num_nodes - 1)
+
+    key = torch.where(eligible, tree.logp.float(), torch.full((), -math.inf, device=device))
+    key[:, 0] = math.inf
+    key = path_min(key, tree.parents)
+    order = torch.sort(key[:, 1:], dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(nd - 1, device=device).expand(b, -1))
+    keep_rest = (rank < budget[:, None]) & torch.isfinite(key[:, 1:])
+    keep = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), keep_rest], dim=1)
+    return PruneResult(keep=keep, stage=stage, budget=budget,
+                       num_kept=keep_rest.sum(dim=1), confidence=conf)

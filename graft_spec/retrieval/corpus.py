@@ -1,0 +1,152 @@
+"""Optional shared corpus of token sequences as a retrieval source (REST-style).
+
+One `CountTrie` over many sequences (no substring crosses a sequence boundary), shared
+by all requests; each request only keeps its last ``max_match`` context tokens. Matching
+walks the trie with binary search over the match length (O(max_match log max_match)
+dict lookups), then expands continuations like the suffix index.
+
+Memory: insertion stops once the index reaches ``max_mb`` megabytes (checked every
+1024 tokens); ``truncated`` tells whether the corpus was cut. This pure-Python index is
+meant for corpora of up to a few million tokens; larger ones belong in SGLang's C++
+NGRAM corpus (reference sglang-0.5.23 §3).
+
+File formats (`CorpusIndex.from_file`): ``.json`` = list of token-id lists; ``.jsonl`` =
+one JSON value per line, a token-id list, ``{"tokens": [...]}`` or (with a tokenizer)
+``{"text": "..."}``; ``.txt`` = one text per line (needs a tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+from typing import Callable, Hashable, Iterable, Optional, Sequence
+
+import torch
+
+from .base import Candidates, RetrievalSource
+from .trie import CountTrie
+
+__all__ = ["CorpusIndex"]
+
+Tokenizer = Callable[[str], Sequence[int]]
+
+
+class CorpusIndex(RetrievalSource):
+    """Shared corpus trie; same arguments as `SuffixIndex` plus ``max_mb``."""
+
+    name = "corpus"
+
+    def __init__(self, max_depth: int = 16, max_match: int = 8, min_prob: float = 0.1,
+                 max_mb: float = 256.0, max_candidates: int = 64, device: torch.device | str = "cpu"):
+        if not 1 <= max_match < max_depth:
+            raise ValueError("CorpusIndex needs 1 <= max_match < max_depth")
+        self.max_match, self.min_prob, self.max_candidates = max_match, min_prob, max_candidates
+        self.max_bytes = int(max_mb * 1024 * 1024)
+        self.device = torch.device(device)
+        self.trie = CountTrie(max_depth)
+        self.num_tokens = 0
+        self.truncated = False
+        self._tails: dict[Hashable, deque] = {}
+
+    # ------------------------------------------------------------------ building
+    def add_sequences(self, seqs: Iterable[Sequence[int]]) -> int:
+        """Insert token sequences until the memory cap; returns tokens inserted."""
+        added = 0
+        for seq in seqs:
+            if self.truncated:
+                break
+            self.trie.reset_stream()
+            for t in seq:
+                self.trie.append(int(t))
+                added += 1
+                if added % 1024 == 0 and self.trie.memory_bytes() > self.max_bytes:
+                    self.truncated = True
+                    break
+        self.trie.reset_stream()
+        self.num_tokens += added
+        return added
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], tokenizer: Tokenizer, **kw) -> "CorpusIndex":
+        """Build from raw texts with ``tokenizer(text) -> token ids``."""
+        idx = cls(**kw)
+        idx.add_sequences(tokenizer(t) for t in texts)
+        return idx
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer: Optional[Tokenizer] = None, **kw) -> "CorpusIndex":
+        """Load a corpus file (formats in the module docstring).
+
+        Raises:
+            ValueError: unknown suffix, or text entries without a tokenizer.
+        """
+        p = Path(path)
+        idx = cls(**kw)
+
+        def need_tok() -> Tokenizer:
+            if tokenizer is None:
+                raise ValueError(f"corpus {p}: text entries need a tokenizer")
+            return tokenizer
+
+        def seqs() -> Iterable[Sequence[int]]:
+            if p.suffix == ".json":
+                yield from json.loads(p.read_text())
+            elif p.suffix == ".jsonl":
+                with p.open() as f:
+                    for line in f:
+                        if not line.strip():
+                            continue
+                        obj = json.loads(line)
+                        if isinstance(obj, dict):
+                            yield obj["tokens"] if "tokens" in obj else need_tok()(obj["text"])
+                        else:
+                            yield obj
+            elif p.suffix == ".txt":
+                tok = need_tok()
+                with p.open() as f:
+                    for line in f:
+                        if line.strip():
+                            yield tok(line.rstrip("\n"))
+            else:
+                raise ValueError(f"corpus {p}: unknown suffix {p.suffix!r} (.json, .jsonl, .txt)")
+
+        idx.add_sequences(seqs())
+        return idx
+
+    # ------------------------------------------------------------------ interface
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
+        self._tails[req_id] = deque((int(t) for t in prompt_ids[-self.max_match:]), maxlen=self.max_match)
+
+    def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
+        tail = self._tails.get(req_id)
+        if tail is not None:
+            tail.extend(int(t) for t in new_tokens[-self.max_match:])
+
+    def stop(self, req_id: Hashable) -> None:
+        self._tails.pop(req_id, None)
+
+    def live_requests(self) -> int:
+        return len(self._tails)
+
+    def memory_bytes(self) -> int:
+        return self.trie.memory_bytes() + 64 * self.max_match * len(self._tails)
+
+    def propose(self, req_ids: Sequence[Hashable], root_tokens: torch.Tensor, budget: int) -> Candidates:
+        b = len(req_ids)
+        cap = min(budget, self.max_candidates)
+        if cap <= 0 or self.num_tokens == 0:
+            return Candidates.empty(b, self.device)
+        roots = root_tokens.reshape(-1).tolist()
+        rows = []
+        for rid, root in zip(req_ids, roots):
+            tail = self._tails.get(rid)
+            if tail is None:
+                rows.append(None)
+                continue
+            ctx = list(tail)
+            if not ctx or ctx[-1] != root:
+                ctx = ctx[1:] + [int(root)] if len(ctx) == self.max_match else ctx + [int(root)]
+            node, _ = self.trie.longest_match(ctx, self.max_match)
+            rows.append(self.trie.expand(node, cap, self.min_prob) if node >= 0 else None)
+        return Candidates.from_lists(rows, self.device)

@@ -1,0 +1,412 @@
+"""Batched draft trees in parents form, and the EAGLE-2/3 rerank that produces them.
+
+A tree batch is ``tokens[B, N]`` int64 plus ``parents[B, N]`` int64 with
+``parents[:, 0] == -1`` (node 0 is the root: the last verified token, i.e. the bonus
+token of the previous step) and ``0 <= parents[b, i] < i`` for ``i >= 1`` (topological
+order: a parent always has a smaller index than its children). Every row has exactly
+N nodes; unused budget is filled with padding nodes (`SOURCE_PADDING`) so the verify
+forward has a fixed shape.
+
+Derived structures (all pure torch, no Python loop over nodes, device-agnostic):
+
+* `ancestor_mask` -> ``bool[B, N, N]``: row i is True at i and at every ancestor of i
+  (SGLang's tree mask, eagle_utils.py:138 build_tree_kernel_efficient).
+* `node_depths` -> ``int64[B, N]`` (root 0); positions are ``seq_len + depth``.
+* `sibling_links` -> SGLang's ``retrive_next_token`` (first child) and
+  ``retrive_next_sibling`` (next sibling by increasing index), -1 terminated.
+* `node_paths` -> root-first index path of every node (EAGLE's retrieve indices are the
+  rows of leaves, `leaf_mask`).
+* `parents_from_mask` inverts `ancestor_mask` (for engines that hand us a mask, e.g.
+  SGLang's NGRAM corpus, ngram_worker.py).
+
+`eagle_rerank` turns the per-step lists of SGLang's ``select_top_k_tokens``
+(spec_utils.py:474) into a `DraftTree`; `eagle_step` produces the same lists for an
+engine that drafts the tree itself (the vLLM proposer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES",
+    "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
+    "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
+    "path_min", "eagle_rerank", "eagle_step",
+]
+
+SOURCE_DRAFT = 0       #: node proposed by the draft model (the root is also tagged draft)
+SOURCE_RETRIEVED = 1   #: node proposed by a retrieval source (successor / suffix / corpus)
+SOURCE_PADDING = 2     #: filler node (child of the root) used when the budget cannot be filled
+NUM_SOURCES = 3
+SOURCE_NAMES = ("draft", "retrieved", "padding")
+
+
+def _rounds(n: int) -> int:
+    """Pointer-jumping rounds that cover any path in an n-node tree."""
+    return max(1, math.ceil(math.log2(max(n, 2))))
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (root = 0) by pointer jumping, ceil(log2 N) gathers.
+
+    Args:
+        parents: ``int64[B, N]``, -1 for the root, parent index < child index.
+    Returns:
+        ``int64[B, N]``.
+    """
+    p = parents.clone()
+    d = (p >= 0).to(torch.int64)
+    for _ in range(_rounds(parents.shape[1])):
+        valid = p >= 0
+        safe = p.clamp(min=0)
+        d = torch.where(valid, d + d.gather(1, safe), d)
+        p = torch.where(valid, p.gather(1, safe), p)
+    return d
+
+
+def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """Minimum of ``values`` over each node's root path (node included, root included).
+
+    Used to make scores monotone along paths so that "top-K by score, ties by lower
+    index" is always ancestor-closed (paper Sec. 3.3; EAGLE reranking relies on the same
+    property, eagle_utils.py:100).
+
+    Args:
+        values: ``float[B, N]``; parents: ``int64[B, N]`` (-1 = no parent).
+    Returns:
+        ``float[B, N]``.
+    """
+    p = parents.clone()
+    m = values.clone()
+    for _ in range(_rounds(parents.shape[1])):
+        valid = p >= 0
+        safe = p.clamp(min=0)
+        m = torch.where(valid, torch.minimum(m, m.gather(1, safe)), m)
+        p = torch.where(valid, p.gather(1, safe), p)
+    return m
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Tree attention mask: ``mask[b, i, j]`` is True iff j == i or j is an ancestor of i.
+
+    Row doubling: after round k a row holds the nearest 2**k path nodes; the row of
+    the 2**k-th ancestor is OR-ed in. Matches SGLang's QLEN_ONLY tree mask layout
+    (eagle_utils.py:138).
+
+    Args:
+        parents: ``int64[B, N]``.
+    Returns:
+        ``bool[B, N, N]``.
+    """
+    b, n = parents.shape
+    ar = torch.arange(n, device=parents.device)
+    mask = (ar[None, :, None] == ar[None, None, :]).expand(b, n, n).clone()
+    p = parents.clone()
+    mask |= (p[:, :, None] == ar[None, None, :])
+    # invariant: rows cover path distances < L and anc is the L-th ancestor (L = 2, 4, ...)
+    safe = p.clamp(min=0)
+    anc = torch.where(p >= 0, p.gather(1, safe), p)
+    for _ in range(_rounds(n)):
+        valid = anc >= 0
+        safe = anc.clamp(min=0)
+        rows = mask.gather(1, safe[:, :, None].expand(b, n, n))
+        mask |= rows & valid[:, :, None]
+        # 2**(k+1)-th ancestor = 2**k-th ancestor of the 2**k-th ancestor
+        anc = torch.where(valid, anc.gather(1, safe), anc)
+    return mask
+
+
+def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-child / next-sibling arrays, children in increasing index order.
+
+    Same contract as SGLang's ``retrive_next_token`` / ``retrive_next_sibling``
+    (kernels/jit/include/sgl_kernel/speculative/eagle.cuh, build_tree_efficient).
+
+    Args:
+        parents: ``int64[B, N]``.
+    Returns:
+        ``(first_child int64[B, N], next_sibling int64[B, N])``, -1 where none.
+    """
+    b, n = parents.shape
+    ar = torch.arange(n, device=parents.device)
+    big = torch.full((), n, dtype=torch.int64, device=parents.device)
+    is_child = parents[:, None, :] == ar[None, :, None]                # [B, p, i]
+    first = torch.where(is_child, ar[None, None, :], big).amin(dim=2)
+    same = (parents[:, :, None] == parents[:, None, :]) & (ar[None, None, :] > ar[None, :, None])
+    nxt = torch.where(same, ar[None, None, :], big).amin(dim=2)
+    nxt[:, 0] = n  # the root has no siblings
+    return torch.where(first == n, -1, first), torch.where(nxt == n, -1, nxt)
+
+
+def parents_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Invert `ancestor_mask`: the parent is the ancestor with the largest index < i.
+
+    Args:
+        mask: ``bool[B, N, N]`` ancestor mask of a topologically ordered tree.
+    Returns:
+        ``int64[B, N]``, -1 for the root (and for any row without ancestors).
+    """
+    n = mask.shape[-1]
+    ar = torch.arange(n, device=mask.device)
+    strict = mask & (ar[None, None, :] < ar[None, :, None])
+    return torch.where(strict, ar[None, None, :], torch.full((), -1, device=mask.device)).amax(dim=2)
+
+
+def node_paths(parents: torch.Tensor, max_depth: Optional[int] = None,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Root-first index path of every node, -1 padded.
+
+    Args:
+        parents: ``int64[B, N]``.
+        max_depth: deepest node depth; computed (one host sync) when None.
+        mask: precomputed `ancestor_mask` (optional).
+    Returns:
+        ``int64[B, N, max_depth + 1]``; ``paths[b, i, :depth_i + 1]`` lists root .. i.
+        EAGLE's ``retrieve_indices`` are the rows where `leaf_mask` is True.
+    """
+    n = parents.shape[1]
+    if mask is None:
+        mask = ancestor_mask(parents)
+    if max_depth is None:
+        max_depth = int(node_depths(parents).max().item())
+    ar = torch.arange(n, device=parents.device)
+    keyed = torch.where(mask, ar, torch.full((), n, device=parents.device))
+    srt = keyed.sort(dim=2).values[:, :, : max_depth + 1]
+    return torch.where(srt == n, -1, srt)
+
+
+def leaf_mask(parents: torch.Tensor) -> torch.Tensor:
+    """``bool[B, N]``: True for nodes without children."""
+    b, n = parents.shape
+    has_child = torch.zeros(b, n + 1, dtype=torch.bool, device=parents.device)
+    has_child.scatter_(1, torch.where(parents >= 0, parents, n), True)
+    return ~has_child[:, :n]
+
+
+def has_duplicate_siblings(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """``bool[B]``: True where two children of one node carry the same token.
+
+    Distinct siblings are required for lossless target-only rejection sampling
+    (reference landscape §4, condition (a)).
+    """
+    n = parents.shape[1]
+    ar = torch.arange(n, device=parents.device)
+    dup = ((parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+           & (ar[None, :, None] < ar[None, None, :]))
+    dup &= (parents >= 0)[:, :, None]
+    return dup.flatten(1).any(dim=1)
+
+
+def validate_parents(parents: torch.Tensor) -> None:
+    """Raise ValueError unless ``parents`` is a batch of topologically ordered trees."""
+    if parents.dim() != 2 or parents.dtype != torch.int64:
+        raise ValueError(f"parents must be int64[B, N], got {parents.dtype} {tuple(parents.shape)}")
+    n = parents.shape[1]
+    if n < 1 or bool((parents[:, 0] != -1).any()):
+        raise ValueError("parents[:, 0] must be -1 (node 0 is the root)")
+    ar = torch.arange(n, device=parents.device)
+    rest = parents[:, 1:]
+    if bool(((rest < 0) | (rest >= ar[1:])).any()):
+        raise ValueError("every non-root node needs 0 <= parent < its own index")
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees with exactly N nodes per request.
+
+    Attributes:
+        tokens: ``int64[B, N]`` token ids; ``tokens[:, 0]`` is the root (last verified token).
+        parents: ``int64[B, N]``; -1 for the root, else 0 <= parent < index.
+        logp: ``float32[B, N]`` natural-log score: for draft nodes the cumulative draft
+            log-probability of the path (EAGLE score), for retrieved nodes the log of the
+            estimated path acceptance probability, 0 for the root, -inf for padding.
+        source: ``int64[B, N]`` one of SOURCE_DRAFT / SOURCE_RETRIEVED / SOURCE_PADDING.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    logp: torch.Tensor
+    source: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def mask(self) -> torch.Tensor:
+        """``bool[B, N, N]`` ancestor mask (see `ancestor_mask`)."""
+        return ancestor_mask(self.parents)
+
+    def depths(self) -> torch.Tensor:
+        """``int64[B, N]`` node depths."""
+        return node_depths(self.parents)
+
+    def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """``int64[B, N]`` position ids = ``seq_lens[:, None] + depth``.
+
+        Args:
+            seq_lens: ``int64[B]`` position of the root token (number of tokens before it).
+        """
+        return seq_lens.to(torch.int64)[:, None] + node_depths(self.parents)
+
+    def links(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(first_child, next_sibling)`` (see `sibling_links`)."""
+        return sibling_links(self.parents)
+
+    def paths(self, max_depth: Optional[int] = None) -> torch.Tensor:
+        """Root-first node paths (see `node_paths`)."""
+        return node_paths(self.parents, max_depth)
+
+    def validate(self) -> None:
+        """Raise ValueError on bad shapes/dtypes, ordering, or duplicate siblings."""
+        shape = self.tokens.shape
+        for name in ("parents", "logp", "source"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"DraftTree.{name} shape {tuple(getattr(self, name).shape)} "
+                                 f"!= tokens shape {tuple(shape)}")
+        if self.tokens.dtype != torch.int64:
+            raise ValueError("DraftTree.tokens must be int64")
+        validate_parents(self.parents)
+        if bool(has_duplicate_siblings(self.tokens, self.parents).any()):
+            raise ValueError("DraftTree has duplicate sibling tokens")
+
+    def to(self, device: torch.device | str) -> "DraftTree":
+        return DraftTree(self.tokens.to(device), self.parents.to(device),
+                         self.logp.to(device), self.source.to(device))
+
+    def row(self, b: int) -> "DraftTree":
+        """Request ``b`` as a batch of one (debugging, tests)."""
+        return DraftTree(self.tokens[b:b + 1], self.parents[b:b + 1],
+                         self.logp[b:b + 1], self.source[b:b + 1])
+
+
+# --------------------------------------------------------------------------- EAGLE
+#
+# Index convention (SGLang spec_utils.py:474 select_top_k_tokens, eagle_utils.py:100
+# organize_draft_results, eagle.cuh build_tree_efficient). Per request, the candidate
+# ("global") index space has S = topk + (steps - 1) * topk**2 entries:
+#   * step 0: entries 0 .. topk-1 are the root's top-k children;
+#     scores_0 = topk_p  [B, 1, topk] (or [B, topk]); tokens_0 [B, topk];
+#     parents_0 = arange(-1, topk)  [B, topk + 1]  (entry 0 is -1 = root).
+#   * step i >= 1: entries topk + (i-1)*topk**2 + f*topk + c for frontier slot f and
+#     child c; scores_i = frontier_score[:, f, None] * p(child)  [B, topk, topk] (the
+#     *cumulative* path probability); tokens_i [B, topk**2]; parents_i [B, topk] = the
+#     global indices of the topk entries of step i chosen as the next frontier.
+#   * parent rule: for global index g, tb = g // topk; tb == 0 -> the root, otherwise
+#     the parent is global index parent_list[tb] with
+#     parent_list = cat(parents_0 .. parents_{steps-2}) [B, 1 + topk*(steps-1)].
+#     (parents_{steps-1} is never used.)
+
+
+def _global_parents(parents_per_step: Sequence[torch.Tensor], topk: int, s: int,
+                    b: int, device: torch.device) -> torch.Tensor:
+    """Parent global index (-1 = root) of every global index, ``int64[B, S]``."""
+    if len(parents_per_step) > 1:
+        plist = torch.cat([p.reshape(b, -1) for p in parents_per_step[:-1]], dim=1).to(torch.int64)
+    else:
+        plist = torch.full((b, 1), -1, dtype=torch.int64, device=device)
+    tb = torch.arange(s, device=device) // topk
+    gp = plist.gather(1, tb.clamp(max=plist.shape[1] - 1).expand(b, s))
+    return torch.where(tb == 0, -1, gp)
+
+
+def eagle_rerank(scores_per_step: Sequence[torch.Tensor],
+                 tokens_per_step: Sequence[torch.Tensor],
+                 parents_per_step: Sequence[torch.Tensor],
+                 root_tokens: torch.Tensor,
+                 num_nodes: int) -> DraftTree:
+    """EAGLE-2/3 rerank: root + the best ``num_nodes - 1`` draft candidates.
+
+    Takes the lists exactly as SGLang's ``select_top_k_tokens`` appends them (see the
+    index convention above) and keeps the global top ``num_nodes - 1`` cumulative
+    scores, sorted by global index (so parents precede children), like
+    ``organize_draft_results`` + ``build_tree_kernel_efficient``. Differences, both
+    deliberate: scores are first made monotone along paths (`path_min`; NaN -> -inf)
+    and ties are broken by lower global index, so the kept set is always
+    ancestor-closed (SGLang's ``torch.topk`` leaves ties unspecified); and the
+    scores are kept (as ``logp``) instead of discarded.
+
+    Args:
+        scores_per_step: ``steps`` tensors of cumulative probabilities, step 0
+            ``[B, 1, topk]`` or ``[B, topk]``, step i ``[B, topk, topk]``.
+        tokens_per_step: ``[B, topk]`` then ``[B, topk**2]`` int64.
+        parents_per_step: ``[B, topk + 1]`` then ``[B, topk]`` int64 global indices.
+        root_tokens: ``int64[B]`` the root (bonus) token of every request.
+        num_nodes: N, root included; 2 <= N <= 1 + S.
+    Returns:
+        `DraftTree` ``[B, N]``, source = draft, logp = log(cumulative prob), root logp 0.
+    Raises:
+        ValueError: N outside [2, 1 + S] or inconsistent step shapes.
+    """
+    if not (len(scores_per_step) == len(tokens_per_step) == len(parents_per_step) >= 1):
+        raise ValueError("eagle_rerank: the three per-step lists must be non-empty and equally long")
+    b = root_tokens.shape[0]
+    device = root_tokens.device
+    scores = torch.cat([s.reshape(b, -1) for s in scores_per_step], dim=1).float()
+    tokens = torch.cat([t.reshape(b, -1) for t in tokens_per_step], dim=1).to(torch.int64)
+    s = scores.shape[1]
+    topk = tokens_per_step[0].reshape(b, -1).shape[1]
+    steps = len(scores_per_step)
+    if s != topk + (steps - 1) * topk * topk or tokens.shape[1] != s:
+        raise ValueError(f"eagle_rerank: expected {topk + (steps - 1) * topk * topk} candidates "
+                         f"for topk={topk}, steps={steps}; got scores {s}, tokens {tokens.shape[1]}")
+    if not 2 <= num_nodes <= s + 1:
+        raise ValueError(f"eagle_rerank: num_nodes={num_nodes} must be in [2, {s + 1}]")
+    gpar = _global_parents(parents_per_step, topk, s, b, device)
+    logs = torch.nan_to_num(torch.log(scores.clamp(min=0)), nan=-math.inf)
+    logs = path_min(logs, gpar)
+    order = torch.sort(logs, dim=1, descending=True, stable=True).indices[:, : num_nodes - 1]
+    sel = order.sort(dim=1).values                                           # [B, N-1]
+    pos = torch.full((b, s), -1, dtype=torch.int64, device=device)
+    pos.scatter_(1, sel, torch.arange(1, num_nodes, device=device).expand(b, -1))
+    gp_sel = gpar.gather(1, sel)
+    par_sel = torch.where(gp_sel < 0, 0, pos.gather(1, gp_sel.clamp(min=0)))
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), par_sel], dim=1)
+    toks = torch.cat([root_tokens.reshape(b, 1).to(torch.int64), tokens.gather(1, sel)], dim=1)
+    logp = torch.cat([torch.zeros(b, 1, device=device), logs.gather(1, sel)], dim=1)
+    source = torch.full((b, num_nodes), SOURCE_DRAFT, dtype=torch.int64, device=device)
+    return DraftTree(toks, parents, logp, source)
+
+
+def eagle_step(step: int, probs_topk: torch.Tensor, tokens_topk: torch.Tensor,
+               frontier_scores: Optional[torch.Tensor]
+               ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One EAGLE expansion step in SGLang's convention (for engines without it).
+
+    Args:
+        step: 0-based draft step.
+        probs_topk: step 0 ``float[B, topk]`` (root's top-k draft probs); later
+            ``float[B, topk, topk]`` (top-k of each frontier node, frontier-major).
+        tokens_topk: int64 with the same shape as ``probs_topk``.
+        frontier_scores: None at step 0, else ``float[B, topk]`` cumulative scores of
+            the current frontier (returned by the previous call).
+    Returns:
+        ``((scores_i, tokens_i, parents_i), next_frontier_scores [B, topk],
+        next_frontier_flat [B, topk])``: the triple to append to the per-step lists,
+        the cumulative scores of the next frontier, and the flat indices (into this
+        step's ``tokens_i``) of the next frontier, i.e. which nodes to run the draft
+        model on next (frontier slot f of the next step = ``next_frontier_flat[:, f]``).
+    """
+    b = probs_topk.shape[0]
+    if step == 0:
+        topk = probs_topk.shape[-1]
+        parents = torch.arange(-1, topk, device=probs_topk.device).expand(b, -1)
+        return ((probs_topk.reshape(b, 1, topk), tokens_topk.reshape(b, topk).to(torch.int64), parents),
+                probs_topk.reshape(b, topk), torch.arange(topk, device=probs_topk.device).expand(b, -1))
+    topk = probs_topk.shape[-1]
+    expand = frontier_scores.reshape(b, topk, 1) * probs_topk.reshape(b, topk, topk)
+    best_p, best_i = torch.topk(expand.flatten(1), topk, dim=1)
+    parents = best_i + (topk * topk * (step - 1) + topk)
+    return ((expand, tokens_topk.reshape(b, topk * topk).to(torch.int64), parents), best_p, best_i)

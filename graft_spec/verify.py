@@ -1,0 +1,207 @@
+"""Tree verification: greedy and target-only tree rejection sampling (lossless).
+
+Greedy (SGLang ``verify_tree_greedy``, kernels/ops/speculative/spec_tree.py:480): from the
+root, at each level accept the first child (lowest index) whose token equals the target's
+argmax at the current node; the bonus is the target's token at the last accepted node.
+
+Sampling (SGLang ``tree_speculative_sampling_target_only`` with both thresholds = 1,
+sgl_kernel speculative_sampling.cuh; EAGLE ``evaluate_posterior`` with q = 1; reference
+landscape §4): at the current node with target distribution p, walk its children in index
+order and accept child x with probability p(x) / (mass not yet rejected); on rejection
+p(x) is zeroed and the rest renormalised. Drawn with one uniform u per node this is
+inverse-CDF sampling: child i is accepted iff ``sum_{j<i} p(x_j) <= u < sum_{j<=i} p(x_j)``,
+so P(accept x_i) = p(x_i). If no child is accepted (or the node is a leaf) the bonus is
+sampled from p with all children zeroed, renormalised. Every emitted token is therefore
+exactly ~p for *any* candidate set that does not depend on the verification coins,
+provided sibling tokens are distinct (a repeated token would be tried twice).
+
+Sources: both functions count accepted nodes (root excluded, bonus excluded) per
+`SOURCE_*` when ``source`` is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .tree import NUM_SOURCES, ancestor_mask, node_depths
+
+__all__ = ["VerifyResult", "greedy_verify", "sample_verify", "logits_to_probs"]
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying a batch of trees.
+
+    Attributes:
+        accept_index: ``int64[B, N]`` tree indices of the accepted path, root (0) first,
+            -1 padded (SGLang's accept_index layout, width N instead of depth + 1).
+        accept_length: ``int64[B]`` accepted draft tokens + 1 (the bonus), i.e. the
+            number of tokens emitted this step.
+        bonus: ``int64[B]`` the token emitted after the last accepted node.
+        accepted_by_source: ``int64[B, 3]`` accepted nodes (root excluded) by source
+            (draft / retrieved / padding); zeros when no source was given.
+    """
+
+    accept_index: torch.Tensor
+    accept_length: torch.Tensor
+    bonus: torch.Tensor
+    accepted_by_source: torch.Tensor
+
+    def emitted(self, tokens: torch.Tensor) -> list[list[int]]:
+        """Tokens emitted per request: accepted path tokens after the root, then the bonus.
+
+        Args:
+            tokens: ``int64[B, N]`` tree tokens that were verified.
+        """
+        out = []
+        idx = self.accept_index.tolist()
+        toks = tokens.tolist()
+        for row_idx, row_tok, n, bonus in zip(idx, toks, self.accept_length.tolist(), self.bonus.tolist()):
+            out.append([row_tok[i] for i in row_idx[1:n]] + [bonus])
+        return out
+
+
+def _finish(on_path: torch.Tensor, bonus: torch.Tensor, source: Optional[torch.Tensor]) -> VerifyResult:
+    b, n = on_path.shape
+    ar = torch.arange(n, device=on_path.device)
+    srt = torch.where(on_path, ar, n).sort(dim=1).values
+    accept_index = torch.where(srt == n, -1, srt)
+    accept_length = on_path.sum(dim=1)
+    by_src = torch.zeros(b, NUM_SOURCES, dtype=torch.int64, device=on_path.device)
+    if source is not None:
+        acc = on_path.clone()
+        acc[:, 0] = False
+        by_src.scatter_add_(1, source.clamp(0, NUM_SOURCES - 1), acc.to(torch.int64))
+    return VerifyResult(accept_index, accept_length, bonus, by_src)
+
+
+def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch.Tensor,
+                  source: Optional[torch.Tensor] = None) -> VerifyResult:
+    """Greedy tree verification (longest path of target-argmax matches).
+
+    Args:
+        tokens: ``int64[B, N]`` tree tokens (root at 0).
+        parents: ``int64[B, N]`` (-1 root, parent < child).
+        target_ids: ``int64[B, N]`` target argmax *after* each node (logits of node i
+            predict the token following i).
+        source: optional ``int64[B, N]`` node sources for ``accepted_by_source``.
+    Returns:
+        `VerifyResult`.
+    """
+    b, n = tokens.shape
+    ar = torch.arange(n, device=tokens.device)
+    expect = target_ids.gather(1, parents.clamp(min=0))
+    correct = tokens == expect
+    correct[:, 0] = True
+    same_parent = parents[:, :, None] == parents[:, None, :]
+    earlier = ar[None, None, :] < ar[None, :, None]
+    shadowed = (same_parent & earlier & correct[:, None, :]).any(dim=2)
+    first = correct & ~shadowed
+    mask = ancestor_mask(parents)
+    on_path = ~(mask & ~first[:, None, :]).any(dim=2)
+    last = torch.where(on_path, ar, 0).amax(dim=1)
+    bonus = target_ids.gather(1, last[:, None]).squeeze(1)
+    return _finish(on_path, bonus, source)
+
+
+def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor, *,
+                  generator: Optional[torch.Generator] = None,
+                  source: Optional[torch.Tensor] = None) -> VerifyResult:
+    """Target-only tree rejection sampling (see module docstring).
+
+    Args:
+        tokens: ``int64[B, N]``; parents: ``int64[B, N]``; siblings must be distinct.
+        target_probs: ``float[B, N, V]`` target distribution after each node (already
+            temperature / top-k / top-p processed, e.g. by `logits_to_probs`); rows are
+            renormalised here in float64.
+        generator: RNG for the coins (one uniform per level and one categorical draw).
+        source: optional node sources.
+    Returns:
+        `VerifyResult`. One host sync per tree level (loop bound = deepest node).
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    v = target_probs.shape[-1]
+    rows = torch.arange(b, device=dev)
+    cur = torch.zeros(b, dtype=torch.int64, device=dev)
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    on_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
+    on_path[:, 0] = True
+    bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+    max_depth = int(node_depths(parents).max().item())
+    for _ in range(max_depth + 1):
+        p = target_probs[rows, cur].to(torch.float64)
+        p = p / p.sum(dim=1, keepdim=True)
+        children = (parents == cur[:, None]) & active[:, None]
+        pc = torch.where(children, p.gather(1, tokens.clamp(0, v - 1)), 0.0)
+        cum = pc.cumsum(dim=1)
+        cand = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
+        cand.scatter_(1, torch.where(children, tokens.clamp(0, v - 1), v), True)
+        resid = torch.where(cand[:, :v], 0.0, p)
+        rmass = resid.sum(dim=1)
+        u = torch.rand(b, generator=generator, dtype=torch.float64, device=dev)
+        total = cum[:, -1]
+        u = torch.where(rmass <= 0, u * total, u)  # candidates cover all mass: never reject
+        hit = children & (u[:, None] < cum)
+        accepted = hit.any(dim=1) & active
+        nxt = hit.to(torch.int8).argmax(dim=1)
+        safe_resid = torch.where((rmass > 0)[:, None], resid, p)
+        draw = torch.multinomial(safe_resid.float(), 1, generator=generator).squeeze(1)
+        stop = active & ~accepted
+        bonus = torch.where(stop, draw, bonus)
+        on_path[rows, nxt] |= accepted
+        cur = torch.where(accepted, nxt, cur)
+        active = accepted
+        if not bool(active.any()):
+            break
+    return _finish(on_path, bonus, source)
+
+
+Param = Union[float, int, torch.Tensor, None]
+
+
+def _per_row(x: Param, b: int, dev: torch.device, dtype: torch.dtype, default: float) -> torch.Tensor:
+    if x is None:
+        return torch.full((b,), default, dtype=dtype, device=dev)
+    if isinstance(x, torch.Tensor):
+        return x.to(dev, dtype).reshape(-1).expand(b) if x.numel() == 1 else x.to(dev, dtype).reshape(b)
+    return torch.full((b,), x, dtype=dtype, device=dev)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: Param = 1.0, top_p: Param = None,
+                    top_k: Param = None) -> torch.Tensor:
+    """Target logits -> sampling distribution (temperature, then top-k, then top-p).
+
+    Same order as SGLang's sampler (softmax(logits / T), top_k_renorm, top_p_renorm).
+
+    Args:
+        logits: ``float[B, ..., V]``.
+        temperature: scalar or ``[B]``; values <= 0 mean greedy (one-hot argmax).
+        top_p: scalar or ``[B]`` in (0, 1]; None or 1 disables.
+        top_k: scalar or ``[B]`` int; None, <= 0 or >= V disables.
+    Returns:
+        ``float32[B, ..., V]`` rows summing to 1.
+    """
+    b, v = logits.shape[0], logits.shape[-1]
+    dev = logits.device
+    extra = (1,) * (logits.dim() - 1)
+    t = _per_row(temperature, b, dev, torch.float32, 1.0)
+    greedy = (t <= 0).reshape(b, *extra)
+    x = logits.float() / t.clamp(min=1e-6).reshape(b, *extra)
+    srt, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(srt, dim=-1)
+    k = _per_row(top_k, b, dev, torch.int64, 0)
+    k = torch.where((k <= 0) | (k > v), v, k).reshape(b, *extra)
+    rank = torch.arange(v, device=dev)
+    probs = torch.where(rank < k, probs, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    tp = _per_row(top_p, b, dev, torch.float32, 1.0).reshape(b, *extra)
+    before = probs.cumsum(dim=-1) - probs
+    probs = torch.where((before < tp) | (rank == 0), probs, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(probs).scatter_(-1, order, probs)
+    onehot = torch.zeros_like(out).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, out)

@@ -1,0 +1,213 @@
+"""Pruning and grafting: budgets, ancestor closure, distinct siblings, path provenance."""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graft_spec.config import GraftPolicy, PruneStage
+from graft_spec.graft import graft, path_hashes
+from graft_spec.prune import prune
+from graft_spec.retrieval.base import Candidates
+from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank,
+                             has_duplicate_siblings, node_depths, validate_parents)
+from test_core_reference import ref_ancestors, ref_depths, ref_paths, random_tree
+from test_core_tree import fake_eagle_lists
+
+
+def random_candidates(rng: random.Random, roots: list[int], m: int, vocab: int) -> Candidates:
+    rows = []
+    for root in roots:
+        toks, pars = random_tree(rng, m + 1, vocab, distinct=rng.random() < 0.7)
+        edge = [1.0] + [rng.uniform(0.05, 1.0) for _ in range(m)]
+        score = []
+        for i in range(m + 1):
+            score.append(math.prod(edge[j] for j in ref_ancestors(pars, i)))
+        rows.append((toks[1:], [p - 1 for p in pars[1:]], score[1:]))
+    c = Candidates.from_lists(rows)
+    # knock out a random ancestor-closed part
+    valid = c.valid.clone()
+    for r in range(len(roots)):
+        for i in range(m):
+            if rng.random() < 0.15 or (c.parents[r, i] >= 0 and not valid[r, c.parents[r, i]]):
+                valid[r, i] = False
+    c.valid = valid
+    return c
+
+
+def cand_paths(c: Candidates, r: int, root: int) -> set:
+    toks = [root] + c.tokens[r].tolist()
+    pars = [-1] + [p + 1 for p in c.parents[r].tolist()]
+    val = [True] + c.valid[r].tolist()
+    return {tuple(toks[j] for j in ref_ancestors(pars, i)) for i in range(len(toks)) if val[i]}
+
+
+def draft_tree(seed, b, topk, steps, n, vocab):
+    gen = torch.Generator().manual_seed(seed)
+    sl, tl, pl = fake_eagle_lists(b, topk, steps, vocab, gen)
+    return eagle_rerank(sl, tl, pl, torch.randint(0, vocab, (b,), generator=gen), n)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(2, 40), m=st.integers(0, 50),
+       refill=st.booleans(), root_width=st.sampled_from([None, 1, 3]), min_score=st.sampled_from([0.0, 0.2]))
+def test_graft_invariants(seed, n, m, refill, root_width, min_score):
+    rng = random.Random(seed)
+    b, vocab, topk, steps = 3, 12, 3, 4
+    nd = rng.randint(2, 1 + topk + (steps - 1) * topk * topk)
+    d = draft_tree(seed, b, topk, steps, nd, vocab)
+    stages = [PruneStage(depth=1, threshold=0.9, keep=1), PruneStage(depth=2, threshold=0.5, keep=3)]
+    stages = [s for s in stages if s.keep < n]
+    pr = prune(d, stages, n)
+    cands = random_candidates(rng, d.tokens[:, 0].tolist(), m, vocab)
+    pol = GraftPolicy(refill_with_draft=refill, root_width=root_width, min_score=min_score)
+    out = graft(d, pr.keep, cands, n, pol)
+
+    assert out.tokens.shape == (b, n)
+    validate_parents(out.parents)
+    assert not has_duplicate_siblings(out.tokens, out.parents).any()
+    assert torch.equal(out.tokens[:, 0], d.tokens[:, 0])
+    for r in range(b):
+        toks, pars, src = out.tokens[r].tolist(), out.parents[r].tolist(), out.source[r].tolist()
+        dpaths = ref_paths(d.tokens[r].tolist(), d.parents[r].tolist())
+        kept_paths = {tuple(d.tokens[r, j].item() for j in ref_ancestors(d.parents[r].tolist(), i))
+                      for i in range(nd) if pr.keep[r, i]}
+        cpaths = cand_paths(cands, r, toks[0])
+        out_paths = {}
+        n_pad = 0
+        for i in range(n):
+            path = tuple(toks[j] for j in ref_ancestors(pars, i))
+            if src[i] == SOURCE_PADDING:
+                n_pad += 1
+                assert pars[i] == 0
+                continue
+            assert n_pad == 0, "padding must come after every real node"
+            out_paths[path] = src[i]
+            if src[i] == SOURCE_DRAFT:
+                assert path in dpaths
+            else:
+                assert src[i] == SOURCE_RETRIEVED and path in cpaths
+        assert kept_paths <= set(out_paths), "every kept draft node survives"
+        assert len(out_paths) + n_pad == n
+        # if everything available fits, nothing is dropped (modulo policy filters)
+        if refill and root_width is None and min_score == 0.0 and len(dpaths | cpaths) <= n:
+            assert set(out_paths) == dpaths | cpaths
+        if root_width is not None:
+            new_root_kids = [i for i in range(1, n) if pars[i] == 0 and src[i] == SOURCE_RETRIEVED]
+            assert len(new_root_kids) <= root_width
+        if not refill:
+            drafted = sum(1 for i in range(1, n) if src[i] == SOURCE_DRAFT)
+            assert drafted <= int(pr.budget[r])
+
+
+def test_retrieved_path_hangs_under_deepest_existing_node():
+    # draft: root 9 -> 1 -> 2 ; retrieved: 9 -> 1 -> 2 -> 3 -> 4 and 9 -> 1 -> 5
+    d = DraftTree(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 1]]),
+                  torch.tensor([[0.0, -0.1, -0.2]]), torch.zeros(1, 3, dtype=torch.int64))
+    c = Candidates(tokens=torch.tensor([[1, 2, 3, 4, 5]]), parents=torch.tensor([[-1, 0, 1, 2, 0]]),
+                   score=torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.1]]), valid=torch.ones(1, 5, dtype=torch.bool))
+    out = graft(d, torch.ones(1, 3, dtype=torch.bool), c, 6)
+    assert out.tokens.tolist() == [[9, 1, 2, 3, 4, 5]]
+    assert out.parents.tolist() == [[-1, 0, 1, 2, 3, 1]]
+    assert out.source.tolist() == [[0, 0, 0, 1, 1, 1]]
+    # with one slot fewer, the weakest retrieved node (score 0.1) is the one left out
+    out = graft(d, torch.ones(1, 3, dtype=torch.bool), c, 5)
+    assert out.tokens.tolist() == [[9, 1, 2, 3, 4]]
+
+
+def test_freed_slots_go_to_best_scores_not_template_order():
+    d = DraftTree(torch.tensor([[9, 1]]), torch.tensor([[-1, 0]]), torch.tensor([[0.0, -0.1]]),
+                  torch.zeros(1, 2, dtype=torch.int64))
+    # chain 5->6->7 with high scores listed *after* weak root children 2, 3
+    c = Candidates(tokens=torch.tensor([[2, 3, 5, 6, 7]]), parents=torch.tensor([[-1, -1, -1, 2, 3]]),
+                   score=torch.tensor([[0.05, 0.04, 0.9, 0.8, 0.7]]), valid=torch.ones(1, 5, dtype=torch.bool))
+    out = graft(d, torch.ones(1, 2, dtype=torch.bool), c, 5)
+    assert sorted(out.tokens[0, 2:].tolist()) == [5, 6, 7]
+    out = graft(d, torch.ones(1, 2, dtype=torch.bool), c, 5, GraftPolicy(min_score=0.75))
+    assert out.tokens[0].tolist()[:4] == [9, 1, 5, 6] and out.source[0, 4] == SOURCE_PADDING
+
+
+def test_padding_tokens_distinct_from_root_children():
+    d = DraftTree(torch.tensor([[9, 0, 1]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0.0, -0.1, -0.2]]),
+                  torch.zeros(1, 3, dtype=torch.int64))
+    out = graft(d, torch.ones(1, 3, dtype=torch.bool), None, 7)
+    assert out.tokens.tolist() == [[9, 0, 1, 2, 3, 4, 5]]
+    assert out.source.tolist() == [[0, 0, 0, 2, 2, 2, 2]]
+    assert out.parents.tolist() == [[-1, 0, 0, 0, 0, 0, 0]]
+    assert torch.isinf(out.logp[0, 3:]).all()
+
+
+def test_path_hash_equal_iff_same_path():
+    rng = random.Random(5)
+    toks, pars = random_tree(rng, 60, 3, distinct=False)
+    h = path_hashes(torch.tensor([toks]), torch.tensor([pars]))[0].tolist()
+    paths = [tuple(toks[j] for j in ref_ancestors(pars, i)) for i in range(60)]
+    for i in range(60):
+        for j in range(60):
+            assert (h[i] == h[j]) == (paths[i] == paths[j])
+
+
+# ----------------------------------------------------------------------------- prune
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 100_000), thr=st.lists(st.floats(0.01, 0.99), min_size=3, max_size=3))
+def test_prune_stage_and_closure(seed, thr):
+    b, topk, steps, n = 4, 3, 4, 20
+    d = draft_tree(seed, b, topk, steps, n, 30)
+    stages = [PruneStage(depth=1, threshold=thr[0], keep=3), PruneStage(depth=2, threshold=thr[1], keep=7),
+              PruneStage(depth=4, threshold=thr[2], keep=12)]
+    pr = prune(d, stages, n)
+    for r in range(b):
+        pars = d.parents[r].tolist()
+        dep = ref_depths(pars)
+        expect_stage, budget = -1, n - 1
+        for s, stg in enumerate(stages):
+            best = max((d.logp[r, i].item() for i in range(1, n) if dep[i] == stg.depth), default=-math.inf)
+            assert pr.confidence[r, s].item() == pytest.approx(math.exp(best), rel=1e-5)
+            if math.exp(best) < stg.threshold:
+                expect_stage, budget = s, stg.keep
+                break
+        assert pr.stage[r].item() == expect_stage and pr.budget[r].item() == budget
+        kept = [i for i in range(1, n) if pr.keep[r, i]]
+        assert len(kept) == budget == pr.num_kept[r].item()
+        assert pr.keep[r, 0]
+        for i in kept:
+            assert pr.keep[r, pars[i]]
+        # the kept nodes are the best-scoring ones
+        worst_kept = min(d.logp[r, i].item() for i in kept)
+        best_dropped = max((d.logp[r, i].item() for i in range(1, n) if not pr.keep[r, i]), default=-math.inf)
+        assert worst_kept >= best_dropped
+
+
+def test_prune_missing_depth_fires():
+    # a 1-level tree: nothing at depth 2, so a depth-2 checkpoint always fires
+    d = DraftTree(torch.tensor([[5, 1, 2, 3]]), torch.tensor([[-1, 0, 0, 0]]),
+                  torch.log(torch.tensor([[1.0, 0.9, 0.05, 0.05]])), torch.zeros(1, 4, dtype=torch.int64))
+    pr = prune(d, [PruneStage(depth=2, threshold=0.01, keep=1)], 4)
+    assert pr.stage.tolist() == [0] and pr.keep.tolist() == [[True, True, False, False]]
+    pr = prune(d, [PruneStage(depth=1, threshold=0.5, keep=1)], 4)
+    assert pr.stage.tolist() == [-1] and pr.keep.all()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_everything_fits_means_union_of_paths(seed):
+    rng = random.Random(seed)
+    d = draft_tree(seed, 2, 3, 3, rng.randint(2, 15), 6)
+    pr = prune(d, [PruneStage(depth=1, threshold=0.99, keep=2)], 40)
+    cands = random_candidates(rng, d.tokens[:, 0].tolist(), rng.randint(1, 20), 6)
+    out = graft(d, pr.keep, cands, 40)
+    for r in range(2):
+        dpaths = ref_paths(d.tokens[r].tolist(), d.parents[r].tolist())
+        cpaths = cand_paths(cands, r, int(d.tokens[r, 0]))
+        real = [i for i in range(40) if out.source[r, i] != SOURCE_PADDING]
+        got = {tuple(out.tokens[r, j].item() for j in ref_ancestors(out.parents[r].tolist(), i)) for i in real}
+        assert len(dpaths | cpaths) <= 40
+        assert got == dpaths | cpaths and len(real) == len(got)
+        # a path both drafted and kept is labelled draft; retrieval-only paths retrieved
+        for i in real[1:]:
+            path = tuple(out.tokens[r, j].item() for j in ref_ancestors(out.parents[r].tolist(), i))
+            if path not in dpaths:
+                assert out.source[r, i] == SOURCE_RETRIEVED
