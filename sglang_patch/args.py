@@ -1,0 +1,352 @@
+"""Graft settings for SGLang: ``--graft-*`` CLI flags, config loading, server-argument defaults.
+
+One way to configure (STYLE.md): every source ends in ``graft_spec.config.load_config`` and thus in
+``GraftConfig.model_validate``. Precedence, lowest first: GraftConfig defaults < config file
+(``--graft-config`` or ``GRAFT_CONFIG``) < ``GRAFT_<FIELD>`` environment variables (nested fields
+with ``__``) < ``--graft-<field>`` flags (nested fields with ``-``: ``--graft-retrieval-suffix-max-depth``).
+Convenience flags: ``--graft-budget N`` (= ``num_draft_tokens``) and
+``--graft-retrieval successor,suffix[,corpus]|none``.
+
+The tree shape is shared with SGLang: ``GraftConfig.num_draft_tokens / topk / depth`` are
+``--speculative-num-draft-tokens / --speculative-eagle-topk / --speculative-num-steps``. SGLang's
+flags win when given; the graft config supplies them otherwise; a conflict between two explicit
+values is an error.
+
+SGLang cannot grow ``ServerArgs`` fields from a plugin (``msgspec.defstruct``,
+``server_args.py:522``), so the flags are added by an ``AFTER`` hook on ``ServerArgs.add_cli_args``
+and their values are stashed by an ``AFTER`` hook on ``ServerArgs.from_cli_args`` as the underscore
+attribute ``_graft_cli`` (allowed bookkeeping, ``server_args.py:474``; pickled into the scheduler
+processes by ``__reduce__``, ``:652``). ``Engine(**kwargs)`` rejects unknown keywords, which is what
+the environment fallback is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+#: Record attribute holding the ``--graft-*`` values (underscore: bookkeeping, survives pickling).
+CLI_ATTR = "_graft_cli"
+#: ``GRAFT_*`` environment names used by tooling (install / tests), not GraftConfig fields.
+ENV_TOOLING = frozenset({"GRAFT_VENV", "GRAFT_LOG_LEVEL", "GRAFT_SGLANG_CPU_LAYER"})
+#: argparse ``dest`` prefix of the generated flags.
+_DEST = "graft__"
+#: Server defaults applied to graft like SGLang applies them to EAGLE (speculative_hook.py:1086).
+DEFAULT_MAX_RUNNING_REQUESTS = 48
+#: Fields shared with SGLang's tree-shape flags: GraftConfig field -> ServerArgs field.
+SHARED_SHAPE = {
+    "num_draft_tokens": "speculative_num_draft_tokens",
+    "topk": "speculative_eagle_topk",
+    "depth": "speculative_num_steps",
+}
+_RETRIEVAL_SOURCES = ("successor", "suffix", "corpus")
+
+
+class GraftSettingsError(ValueError):
+    """An invalid graft setting; the message names the field and where its value came from."""
+
+
+# --------------------------------------------------------------------------------------------------
+# GraftConfig fields <-> flags / environment names
+# --------------------------------------------------------------------------------------------------
+def _config_class():
+    from graft_spec.config import GraftConfig
+
+    return GraftConfig
+
+
+def config_field_paths(model=None, prefix: Tuple[str, ...] = ()) -> List[Tuple[str, ...]]:
+    """Leaf field paths of GraftConfig, e.g. ``[("num_draft_tokens",), ("retrieval", "suffix")]``.
+
+    A field whose type is itself a pydantic model is expanded; lists/tuples of models (e.g.
+    ``checkpoints``) stay one leaf that takes a YAML/JSON list.
+    """
+    from pydantic import BaseModel
+
+    model = model or _config_class()
+    paths: List[Tuple[str, ...]] = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            paths.extend(config_field_paths(ann, prefix + (name,)))
+        else:
+            paths.append(prefix + (name,))
+    return paths
+
+
+def flag_name(path: Tuple[str, ...]) -> str:
+    """``("retrieval", "suffix_max_depth")`` -> ``--graft-retrieval-suffix-max-depth``."""
+    return "--graft-" + "-".join(p.replace("_", "-") for p in path)
+
+
+def env_name(path: Tuple[str, ...]) -> str:
+    """``("retrieval", "suffix_max_depth")`` -> ``GRAFT_RETRIEVAL__SUFFIX_MAX_DEPTH``."""
+    return "GRAFT_" + "__".join(p.upper() for p in path)
+
+
+def parse_value(text: str) -> Any:
+    """A flag value parsed like the environment (``yaml.safe_load``: ints, floats, bools, lists)."""
+    return yaml.safe_load(text) if text.strip() else None
+
+
+def _retrieval_flag(text: str) -> Dict[str, bool]:
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        names = []
+    unknown = sorted(set(names) - set(_RETRIEVAL_SOURCES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"--graft-retrieval: unknown source(s) {unknown}; use a comma list of "
+            f"{', '.join(_RETRIEVAL_SOURCES)} or 'none'"
+        )
+    return {name: name in names for name in _RETRIEVAL_SOURCES}
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+def _tooling_free(environ: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """The environment without ``GRAFT_*`` names that cannot be GraftConfig fields.
+
+    The ``GRAFT_`` prefix is shared with tooling (``GRAFT_VENV``, ``GRAFT_SGLANG_CPU_LAYER``), so a
+    name whose first segment is not a GraftConfig field is skipped with a warning instead of being
+    rejected; a bad nested name (``GRAFT_RETRIEVAL__SUFIX``) still reaches the validator.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        top = {p[0] for p in config_field_paths()}
+    except Exception:  # pragma: no cover - graft_spec broken; the loader will report it
+        top = set()
+    out: Dict[str, str] = {}
+    for key, value in env.items():
+        if key.startswith("GRAFT_") and key != "GRAFT_CONFIG":
+            first = key[len("GRAFT_"):].split("__")[0].lower()
+            if key in ENV_TOOLING or first not in top:
+                if key not in ENV_TOOLING:
+                    logger.warning("ignoring %s: not a GraftConfig field", key)
+                continue
+        out[key] = value
+    return out
+
+
+def _describe_origin(loc: Tuple[str, ...], cli: Mapping[str, Any], env: Mapping[str, str],
+                     file: Optional[str]) -> str:
+    """Where the value at ``loc`` came from: the longest field prefix set by a flag, else by an
+    environment variable, else the config file, else the GraftConfig default."""
+    for depth in range(len(loc), 0, -1):
+        if ".".join(loc[:depth]) in cli:
+            return "--graft-budget" if loc[:depth] == ("num_draft_tokens",) else flag_name(loc[:depth])
+    for depth in range(len(loc), 0, -1):
+        if env_name(loc[:depth]) in env:
+            return env_name(loc[:depth])
+    return f"config file {file}" if file else "default"
+
+
+def build_graft_config(cli: Optional[Mapping[str, Any]] = None,
+                       environ: Optional[Mapping[str, str]] = None,
+                       shape: Optional[Mapping[str, int]] = None):
+    """Validated GraftConfig from file < environment < CLI (< ``shape``), via ``load_config``.
+
+    Args:
+        cli: the ``_graft_cli`` dict: ``{"config": path, "num_draft_tokens": 24,
+            "retrieval.suffix": False, ...}`` (dotted keys for nested fields).
+        environ: environment mapping (default ``os.environ``); tooling names are skipped.
+        shape: final tree shape from SGLang (``num_draft_tokens`` / ``topk`` / ``depth``), applied
+            last so the config validators (e.g. checkpoint ``keep < N``) see the real shape.
+
+    Returns:
+        ``graft_spec.config.GraftConfig``.
+
+    Raises:
+        GraftSettingsError: one message listing every invalid field, its value and its source.
+    """
+    from graft_spec.config import load_config
+    from pydantic import ValidationError
+
+    cli = dict(cli or {})
+    file = cli.pop("config", None)
+    env = _tooling_free(environ)
+    overrides = dict(cli)
+    overrides.update(dict(shape or {}))
+    try:
+        return load_config(file=file, overrides=overrides, env=True, environ=env)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(str(x) for x in err.get("loc", ()) if not isinstance(x, int))
+            field = ".".join(str(x) for x in err.get("loc", ())) or "<config>"
+            if shape and loc and loc[0] in shape:
+                origin = f"--{SHARED_SHAPE[loc[0]].replace('_', '-')}"
+            else:
+                origin = _describe_origin(loc, cli, env, file or env.get("GRAFT_CONFIG"))
+            value = err.get("input")
+            shown = f" = {value!r}" if not isinstance(value, dict) else ""
+            problems.append(f"{field}{shown} (from {origin}): {err.get('msg')}")
+        raise GraftSettingsError("invalid graft setting: " + "; ".join(problems)) from None
+    except (OSError, ValueError) as exc:  # file missing / unreadable / bad suffix / bad env section
+        raise GraftSettingsError(f"invalid graft setting: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang hooks: CLI
+# --------------------------------------------------------------------------------------------------
+def add_graft_cli_args(result, parser: argparse.ArgumentParser):
+    """``AFTER`` hook on ``ServerArgs.add_cli_args(parser)``: ``--graft-config``, ``--graft-budget``,
+    ``--graft-retrieval`` and one ``--graft-<field>`` per GraftConfig leaf. Returns None."""
+    if any(a.dest == _DEST + "config" for a in parser._actions):
+        return None
+    group = parser.add_argument_group("graft speculative decoding (graft-spec plugin)")
+    group.add_argument("--graft-config", dest=_DEST + "config", default=None, metavar="PATH",
+                       help="JSON/YAML GraftConfig file (environment: GRAFT_CONFIG).")
+    group.add_argument("--graft-budget", dest=_DEST + "num_draft_tokens", default=None, type=int,
+                       metavar="N", help="Verify budget N, root included (= GraftConfig.num_draft_tokens;"
+                       " SGLang's --speculative-num-draft-tokens).")
+    group.add_argument("--graft-retrieval", dest=_DEST + "retrieval", default=None,
+                       type=_retrieval_flag, metavar="SOURCES",
+                       help="Retrieval sources: comma list of successor,suffix,corpus or 'none'.")
+    try:
+        paths = config_field_paths()
+    except Exception as exc:  # graft_spec missing or broken: keep SGLang usable for other algorithms
+        logger.warning("graft flags unavailable (%s)", exc)
+        return None
+    for path in paths:
+        if path == ("num_draft_tokens",):
+            continue  # --graft-budget covers it, and --graft-num-draft-tokens is added as an alias below
+        group.add_argument(flag_name(path), dest=_DEST + ".".join(path), default=None,
+                           type=parse_value, metavar="VALUE",
+                           help=f"GraftConfig.{'.'.join(path)} (environment: {env_name(path)}).")
+    group.add_argument("--graft-num-draft-tokens", dest=_DEST + "num_draft_tokens", default=None,
+                       type=int, metavar="N", help=argparse.SUPPRESS)
+    return None
+
+
+def graft_cli_values(args: argparse.Namespace) -> Dict[str, Any]:
+    """The ``--graft-*`` values of a parsed namespace as ``{dotted field: value}`` (+ ``config``)."""
+    cli: Dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if not key.startswith(_DEST) or value is None:
+            continue
+        name = key[len(_DEST):]
+        if name == "retrieval":  # --graft-retrieval: per-source booleans, explicit flags win
+            for src, on in value.items():
+                cli.setdefault(f"retrieval.{src}", on)
+            continue
+        cli[name] = value
+    return cli
+
+
+def stash_graft_cli_args(result, cls, args: argparse.Namespace):
+    """``AFTER`` hook on ``ServerArgs.from_cli_args``: store ``--graft-*`` values on the record as
+    ``_graft_cli``; with ``--speculative-algorithm graft``, validate them now so a bad value fails
+    the launch with one clear message (the full check, with the tree shape, runs again in
+    ``GraftSpec.handle_server_args``).
+
+    Raises:
+        GraftSettingsError: invalid graft settings.
+    """
+    cli = graft_cli_values(args)
+    setattr(result, CLI_ATTR, cli)
+    algo = getattr(result, "speculative_algorithm", None)
+    if algo is not None and str(algo).upper() == "GRAFT":
+        build_graft_config(cli)
+    elif len(cli) > 0:
+        logger.warning("--graft-* flags given without --speculative-algorithm graft; ignored")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang hook: server-argument resolution (GraftSpec.handle_server_args)
+# --------------------------------------------------------------------------------------------------
+def _explicit_shape(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, int]:
+    """Tree-shape values the user set for graft (flag, environment or file), not defaults."""
+    cfg = build_graft_config(cli, environ)
+    return {f: getattr(cfg, f) for f in SHARED_SHAPE if f in cfg.model_fields_set}
+
+
+def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[str, int]:
+    """The tree shape graft runs with: SGLang flags first, then the graft config, then defaults.
+
+    Args:
+        sa: ServerArgs, or SGLang's resolving view / stand-in of one.
+        environ: environment mapping (tests).
+    Returns:
+        ``{"num_draft_tokens": N, "topk": k, "depth": d}``.
+    Raises:
+        GraftSettingsError: an explicit graft value contradicts an explicit SGLang flag.
+    """
+    env = _tooling_free(environ)
+    cli = getattr(sa, CLI_ATTR, None) or {}
+    explicit = _explicit_shape(cli, env)
+    defaults = build_graft_config(cli, env)
+    shape: Dict[str, int] = {}
+    for field, sa_field in SHARED_SHAPE.items():
+        sg_value = getattr(sa, sa_field, None)
+        if sg_value is not None and field in explicit and explicit[field] != sg_value:
+            raise GraftSettingsError(
+                f"invalid graft setting: {field} = {explicit[field]} (graft config) contradicts "
+                f"--{sa_field.replace('_', '-')} = {sg_value}; set one of them"
+            )
+        shape[field] = int(sg_value) if sg_value is not None else int(getattr(defaults, field))
+    return shape
+
+
+def effective_graft_config(sa, environ: Optional[Mapping[str, str]] = None):
+    """GraftConfig with the tree shape SGLang resolved (used by the worker and by validation)."""
+    env = _tooling_free(environ)
+    return build_graft_config(getattr(sa, CLI_ATTR, None), env, shape=resolve_tree_shape(sa, env))
+
+
+def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Body of ``GraftSpec.handle_server_args``: validate and declare graft's server defaults.
+
+    ``sa`` is SGLang's write-recording stand-in (``overrides.py:138``): plain attribute writes to
+    ServerArgs fields become declarations. Custom algorithms get none of EAGLE's defaults
+    (``speculative_hook.py:1072``), so this sets them: tree shape (from the graft config),
+    ``max_running_requests`` (48, like EAGLE), mixed chunk off, overlap scheduler off.
+
+    Raises:
+        GraftSettingsError: missing draft model, ``topk == 1``, rejection sampling, pipeline
+            parallelism, or any invalid GraftConfig field (message names the field).
+    """
+    if getattr(sa, "speculative_draft_model_path", None) is None:
+        raise GraftSettingsError(
+            "--speculative-algorithm graft needs --speculative-draft-model-path "
+            "(an EAGLE-3 draft model for the target)"
+        )
+    if getattr(sa, "speculative_eagle_topk", None) == 1:
+        raise GraftSettingsError(
+            "invalid graft setting: topk = 1 (from --speculative-eagle-topk): graft verifies a tree, "
+            "and SGLang treats topk == 1 verify inputs as chains (attention backends ignore the tree "
+            "mask, verify skips the accepted-path compaction); use --speculative-eagle-topk >= 2"
+        )
+    if getattr(sa, "speculative_use_rejection_sampling", False):
+        raise GraftSettingsError(
+            "--speculative-use-rejection-sampling needs topk == 1 chains; graft samples with "
+            "target-only tree verification (lossless with distinct siblings) instead"
+        )
+    if (getattr(sa, "pp_size", 1) or 1) > 1:
+        raise GraftSettingsError("graft does not support pipeline parallelism (--pp-size > 1)")
+
+    cfg = effective_graft_config(sa, environ)
+    for field, sa_field in SHARED_SHAPE.items():
+        if getattr(sa, sa_field, None) != getattr(cfg, field):
+            setattr(sa, sa_field, getattr(cfg, field))
+    if getattr(sa, "max_running_requests", None) is None:
+        sa.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+    if getattr(sa, "enable_mixed_chunk", False):
+        sa.enable_mixed_chunk = False
+        logger.warning("graft: mixed chunked prefill disabled (a mixed step would run running "
+                       "requests as plain decodes)")
+    if not getattr(sa, "disable_overlap_schedule", False):
+        sa.disable_overlap_schedule = True
+        logger.warning("graft: overlap scheduler disabled (graft retrieves candidates on the host "
+                       "from the tokens accepted in the previous round; see docs/sglang_graft.md)")
+    logger.info("graft: num_draft_tokens=%d topk=%d depth=%d checkpoints=%d retrieval=%s",
+                cfg.num_draft_tokens, cfg.topk, cfg.depth, len(cfg.checkpoints),
+                ",".join(s for s in _RETRIEVAL_SOURCES if getattr(cfg.retrieval, s)) or "none")

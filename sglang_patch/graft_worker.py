@@ -1,0 +1,206 @@
+"""``GraftWorker``: SGLang's EAGLE V2 worker with prune-then-graft between drafting and verify.
+
+Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.py:1416``):
+
+1. **Draft** — unchanged EAGLE-3 drafting. `GraftDraftWorker.draft_forward` rebinds the module
+   global ``organize_draft_results`` (``eagle_worker_v2.py:919``) for the duration of the call so
+   the dense tree's cumulative scores, tokens and parent list are copied into buffers allocated
+   once (the copy is recorded by CUDA-graph capture and refreshed by every replay).
+2. **Prune -> retrieve -> graft** — `GraftDraftWorker.draft` rebinds ``build_eagle_verify_input``
+   (``eagle_worker_v2.py:717``) to `GraftDraftWorker._build_verify_input`, which reranks the dense
+   tree (``graft_spec.tree.eagle_rerank``), lets ``GraftPlanner.build`` prune, retrieve and graft
+   it into N nodes, and lays the hybrid tree out as a `GraftVerifyInput`.
+3. **Verify** — SGLang's ``run_eagle_verify`` (greedy, or target-only tree sampling; the CPU layer
+   routes both to ``graft_spec.verify``). `GraftWorker.verify` then feeds the target's top-k at
+   every non-padding node to the successor matrix, commits the emitted tokens to the planner and
+   counts accepted nodes per source.
+4. **Draft extend** — unchanged.
+
+The worker holds no algorithm: it translates SGLang tensors to ``graft_spec`` and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, List, Optional
+
+import torch
+from sglang.srt.runtime_context import get_spec
+from sglang.srt.speculative import eagle_worker_v2 as _ev2
+from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
+
+from graft_spec.pipeline import GraftPlanner
+from graft_spec.tree import SOURCE_PADDING, eagle_rerank
+from sglang_patch.args import effective_graft_config
+from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, split_eagle_lists
+from sglang_patch.graft_requests import GraftRequestTracker
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _rebound(module, name: str, value) -> Iterator[None]:
+    """Temporarily replace ``module.name`` (a global the EAGLE code looks up at call time)."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+class _DenseTreeSink:
+    """Buffers that receive the dense EAGLE tree of every draft call.
+
+    ``scores`` ``float32[max_bs, S]`` cumulative draft probabilities, ``tokens`` ``int64[max_bs, S]``,
+    ``parents`` ``int64[max_bs, 1 + topk * (steps - 1)]`` with S = topk + (steps - 1) * topk**2.
+    Allocated once so CUDA-graph replays write to the same memory.
+    """
+
+    def __init__(self, max_bs: int, topk: int, steps: int, device):
+        s = topk + (steps - 1) * topk * topk
+        self.scores = torch.zeros(max_bs, s, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(max_bs, s, dtype=torch.int64, device=device)
+        self.parents = torch.zeros(max_bs, 1 + topk * (steps - 1), dtype=torch.int64, device=device)
+        self.bs = 0
+
+    def capture(self, score_list, token_list, parent_list) -> None:
+        scores = torch.cat([x.reshape(x.shape[0], -1) for x in score_list], dim=1)
+        tokens = torch.cat(token_list, dim=1)
+        bs = scores.shape[0]
+        self.scores[:bs].copy_(scores)
+        self.tokens[:bs].copy_(tokens)
+        if parent_list.shape[1] > 0:
+            self.parents[:bs].copy_(parent_list)
+        self.bs = bs
+
+
+class GraftDraftWorker(EagleDraftWorker):
+    """EAGLE-3 draft worker whose verify input is the graft hybrid tree (class-swapped in)."""
+
+    graft: "GraftWorker"
+    _sink: Optional[_DenseTreeSink] = None
+
+    def _ensure_sink(self, bs: int) -> _DenseTreeSink:
+        if self._sink is None or self._sink.scores.shape[0] < bs:
+            pool = getattr(getattr(self, "req_to_token_pool", None), "size", 0) or 0
+            self._sink = _DenseTreeSink(max(bs, pool), self.topk, self.speculative_num_steps, self.device)
+        return self._sink
+
+    def draft_forward(self, forward_batch):
+        """``EagleDraftWorker.draft_forward`` with the dense tree captured into `_DenseTreeSink`."""
+        original = _ev2.organize_draft_results
+
+        def organize_and_capture(score_list, token_list, parents_list, num_draft_token):
+            parent_list, top_scores_index, draft_tokens = original(
+                score_list, token_list, parents_list, num_draft_token)
+            self._ensure_sink(score_list[0].shape[0]).capture(score_list, token_list, parent_list)
+            return parent_list, top_scores_index, draft_tokens
+
+        with _rebound(_ev2, "organize_draft_results", organize_and_capture):
+            return super().draft_forward(forward_batch)
+
+    def draft(self, batch, *, with_topology: bool = False):
+        """``EagleDraftWorker.draft`` building the graft tree instead of the EAGLE tree."""
+        with _rebound(_ev2, "build_eagle_verify_input", self._build_verify_input):
+            return super().draft(batch, with_topology=with_topology)
+
+    def _build_verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
+                            draft_probs, *, target_worker, topk, num_steps, num_draft_tokens,
+                            tree_mask_mode, device) -> GraftVerifyInput:
+        """Same signature as ``eagle_worker_common.build_eagle_verify_input`` (:377)."""
+        if batch.forward_mode.is_idle():
+            return GraftVerifyInput.create_idle_input(topk, num_steps, num_draft_tokens, device)
+        bs = batch.seq_lens.shape[0]
+        sink = self._sink
+        if sink is None or sink.scores.shape[0] < bs:
+            # Rows [:bs] are written by the eager call or by the graph replay (padded bs >= bs).
+            raise RuntimeError(f"graft: the dense draft tree of batch size {bs} was not captured")
+        lists = split_eagle_lists(sink.scores[:bs], sink.tokens[:bs], sink.parents[:bs], topk, num_steps)
+        roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
+        draft = eagle_rerank(*lists, root_tokens=roots, num_nodes=num_draft_tokens)
+
+        seq_lens_cpu = (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
+                        else batch.seq_lens.tolist())
+        rids = self.graft.requests.prepare(batch.reqs, seq_lens_cpu, roots.tolist())
+        hybrid = self.graft.planner.build(draft, rids)
+
+        verify_mask = target_worker.model_runner.attn_backend.verify_mask
+        if verify_mask is None:
+            mode, buffer, fill = tree_mask_mode, None, True
+        else:
+            mode, fill = verify_mask.mode, verify_mask.is_read
+            buffer = verify_mask.buffer if verify_mask.fits(bs) else None
+        return build_graft_verify_input(
+            hybrid, batch.seq_lens, seq_lens_cpu, mode=mode, topk=topk, steps=num_steps,
+            mask_buffer=buffer, fill_prefix=fill)
+
+
+class GraftWorker(EAGLEWorkerV2):
+    """``--speculative-algorithm graft`` worker (constructed by the scheduler, ``scheduler.py:1056``).
+
+    Attributes:
+        config: effective ``GraftConfig`` (tree shape = SGLang's resolved shape).
+        planner: ``GraftPlanner`` (retrieval state of all requests, successor matrix).
+        requests: `GraftRequestTracker` (per-request state and counters).
+    """
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__(server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port,
+                         target_worker=target_worker)
+        spec = get_spec()
+        self.config = effective_graft_config(server_args)
+        shape = (spec.speculative_num_draft_tokens, spec.speculative_eagle_topk, spec.speculative_num_steps)
+        if shape != (self.config.num_draft_tokens, self.config.topk, self.config.depth):
+            raise RuntimeError(f"graft: resolved tree shape {shape} differs from the graft config")
+        vocab = target_worker.model_config.vocab_size
+        self.planner = GraftPlanner(self.config, vocab_size=vocab, device="cpu")
+        self.requests = GraftRequestTracker(self.planner)
+        self.successor_k = self.config.retrieval.successor_k if self.config.retrieval.successor else 0
+        if self._draft_worker is not None:
+            self._draft_worker.__class__ = GraftDraftWorker
+            self._draft_worker.graft = self
+        logger.info("graft worker ready: %s", self.config.model_dump_json())
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        """Free the request's graft state (``batch_result_processor.py:1442``)."""
+        self.requests.finish(rid)
+
+    def live_graft_requests(self) -> int:
+        """Requests currently holding graft state (tests, logs)."""
+        return self.requests.live()
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
+        """EAGLE verify of the hybrid tree, then the graft bookkeeping of the round."""
+        verify_input = batch.spec_info
+        result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
+        if isinstance(verify_input, GraftVerifyInput) and not batch.forward_mode.is_idle():
+            self._after_verify(batch, verify_input, result)
+        return result
+
+    def _after_verify(self, batch, vi: GraftVerifyInput, result) -> None:
+        bs = len(batch.reqs)
+        n = vi.draft_token_num
+        tokens = vi.draft_token.view(bs, n)
+        sources = vi.node_source.to(tokens.device)
+        # Successor matrix: the target's top-k after every verified non-padding node.
+        if self.successor_k > 0 and result.logits_output.next_token_logits is not None:
+            logits = result.logits_output.next_token_logits
+            topk_ids = torch.topk(logits[: bs * n].float(), self.successor_k, dim=-1).indices
+            node_tokens = torch.where(sources == SOURCE_PADDING, -1, tokens).reshape(-1)
+            self.planner.observe_tokens(node_tokens.cpu(), topk_ids.cpu())
+        # Emitted tokens and accepted sources, per request.
+        accept_lens: List[int] = result.accept_lens.tolist()
+        accept_index = result.accept_index.to(torch.int64).cpu()
+        predict = result.next_token_ids.view(bs, -1).cpu()
+        src_cpu = sources.cpu()
+        emitted, accepted_sources = [], []
+        for b in range(bs):
+            k = int(accept_lens[b])
+            local = accept_index[b, 1:k] - b * n
+            accepted_sources.append(src_cpu[b, local].tolist())
+            emitted.append(predict[b, :k].tolist())
+        self.requests.commit(batch.reqs, emitted, accepted_sources)

@@ -1,0 +1,334 @@
+"""Graft-in-SGLang pieces that need no server: registration, settings, tensor translation.
+
+The layout test compares our verify tensors with SGLang's own Triton tree builder
+(``spec_tree.py:52``, run by the Triton interpreter on CPU in a subprocess) for EAGLE trees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_ARGS = ["--model-path", "/nonexistent-model", "--speculative-draft-model-path", "/nonexistent-draft"]
+
+
+@pytest.fixture(scope="module")
+def sglang_plugins():
+    """SGLang with our plugin loaded and its hooks applied (as every SGLang process does)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args
+
+
+# ------------------------------------------------------------------ registration
+def test_graft_is_registered_with_eagle3_behaviour(sglang_plugins):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_patch.registration import register_graft
+    from sglang_patch.spec_algo import GraftSpec
+
+    register_graft()  # idempotent: a second call in the same process must not raise
+    algo = SpeculativeAlgorithm.from_string("graft")
+    assert isinstance(algo, GraftSpec)
+    assert algo is SpeculativeAlgorithm.from_string("GRAFT")
+    assert algo.is_eagle() and algo.is_eagle3() and algo.need_topk()
+    assert algo.carries_draft_hidden_states() and algo.has_draft_kv()
+    assert not algo.is_ngram() and not algo.supports_mixed_chunk()
+    # The scheduler calls these unconditionally (scheduler.py:1540,1681).
+    for name in ("create_future_map", "carries_draft_hidden_states", "need_topk"):
+        assert callable(getattr(algo, name))
+
+
+def test_create_worker_refuses_overlap(sglang_plugins):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft"])
+    with pytest.raises(ValueError, match="overlap"):
+        SpeculativeAlgorithm.from_string("graft").create_worker(sa)
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--disable-overlap-schedule"])
+    assert SpeculativeAlgorithm.from_string("graft").create_worker(sa).__name__ == "GraftWorker"
+
+
+# ------------------------------------------------------------------ settings
+def test_cli_flags_reach_the_record_and_survive_pickling(sglang_plugins):
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--graft-budget", "12",
+                         "--graft-retrieval", "suffix", "--graft-retrieval-suffix-max-depth", "12",
+                         "--graft-checkpoints", "[{depth: 1, threshold: 0.4, keep: 4}]"])
+    assert sa._graft_cli["num_draft_tokens"] == 12
+    assert sa._graft_cli["retrieval.successor"] is False and sa._graft_cli["retrieval.suffix"] is True
+    clone = pickle.loads(pickle.dumps(sa))
+    assert clone._graft_cli == sa._graft_cli
+
+    from sglang_patch.args import build_graft_config
+
+    cfg = build_graft_config(clone._graft_cli, environ={})
+    assert cfg.num_draft_tokens == 12 and cfg.retrieval.suffix_max_depth == 12
+    assert not cfg.retrieval.successor and cfg.checkpoints[0].keep == 4
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--graft-budget", "1"], "num_draft_tokens"),
+    (["--graft-topk", "1"], "topk"),
+    (["--graft-checkpoints", "[{depth: 1, threshold: 1.5, keep: 4}]"], "checkpoints.0.threshold"),
+    (["--graft-checkpoints", "[{depth: 1, threshold: 0.0, keep: 4}]"], "checkpoints.0.threshold"),
+    (["--graft-retrieval-successor-prior", "1.0"], "retrieval.successor_prior"),
+])
+def test_bad_cli_value_fails_launch_naming_the_field(sglang_plugins, argv, field):
+    from sglang_patch.args import GraftSettingsError
+
+    with pytest.raises(GraftSettingsError) as err:
+        sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", *argv])
+    assert field in str(err.value) and argv[0] in str(err.value)
+
+
+def test_unknown_field_in_file_and_env(tmp_path):
+    from sglang_patch.args import GraftSettingsError, build_graft_config
+
+    bad = tmp_path / "graft.yaml"
+    bad.write_text("num_draft_tokens: 16\nbudgett: 3\n")
+    with pytest.raises(GraftSettingsError, match="budgett.*config file"):
+        build_graft_config({"config": str(bad)}, environ={})
+    with pytest.raises(GraftSettingsError, match="retrieval.sufix.*GRAFT_RETRIEVAL__SUFIX"):
+        build_graft_config({}, environ={"GRAFT_RETRIEVAL__SUFIX": "true"})
+    # Tooling variables sharing the prefix are not config fields and must not break the launch.
+    cfg = build_graft_config({}, environ={"GRAFT_VENV": "/x", "GRAFT_SGLANG_CPU_LAYER": "1"})
+    assert cfg.num_draft_tokens >= 2
+
+
+def test_precedence_file_env_cli(tmp_path):
+    from sglang_patch.args import build_graft_config
+
+    f = tmp_path / "graft.json"
+    f.write_text(json.dumps({"num_draft_tokens": 20, "topk": 3, "depth": 5}))
+    env = {"GRAFT_CONFIG": str(f), "GRAFT_TOPK": "5"}
+    cfg = build_graft_config({"depth": 4}, environ=env)
+    assert (cfg.num_draft_tokens, cfg.topk, cfg.depth) == (20, 5, 4)
+
+
+def _declared(sa, environ):
+    """Run GraftSpec.handle_server_args the way SGLang does (record_foreign_defaults stand-in)."""
+    from sglang.srt.arg_groups.overrides import record_foreign_defaults, resolving_view
+
+    from sglang_patch.args import apply_graft_server_defaults
+
+    record_foreign_defaults(sa, "test", lambda s: apply_graft_server_defaults(s, environ=environ))
+    return resolving_view(sa)
+
+
+def test_server_defaults_are_declared(sglang_plugins):
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--graft-budget", "10",
+                         "--enable-mixed-chunk"])
+    view = _declared(sa, environ={"GRAFT_TOPK": "3", "GRAFT_DEPTH": "3"})
+    assert view.speculative_num_draft_tokens == 10
+    assert view.speculative_eagle_topk == 3 and view.speculative_num_steps == 3
+    assert view.max_running_requests == 48
+    assert view.disable_overlap_schedule is True and view.enable_mixed_chunk is False
+
+
+def test_sglang_shape_flags_win_and_conflicts_are_errors(sglang_plugins):
+    from sglang_patch.args import GraftSettingsError
+
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-steps", "3",
+                         "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "7"])
+    view = _declared(sa, environ={})
+    assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (3, 2, 7)
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-draft-tokens", "7",
+                         "--graft-budget", "9"])
+    with pytest.raises(GraftSettingsError, match="num_draft_tokens = 9.*speculative-num-draft-tokens = 7"):
+        _declared(sa, environ={})
+
+
+def test_topk1_missing_draft_and_unfillable_budget_are_errors(sglang_plugins):
+    from sglang_patch.args import GraftSettingsError
+
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-eagle-topk", "1"])
+    with pytest.raises(GraftSettingsError, match="topk = 1"):
+        _declared(sa, environ={})
+    sa = sglang_plugins(["--model-path", "/nonexistent-model", "--speculative-algorithm", "graft"])
+    with pytest.raises(GraftSettingsError, match="--speculative-draft-model-path"):
+        _declared(sa, environ={})
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-steps", "2",
+                         "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "9"])
+    with pytest.raises(GraftSettingsError, match="num_draft_tokens"):
+        _declared(sa, environ={})
+
+
+# ------------------------------------------------------------------ tensor translation
+def test_verify_layout_matches_sglang_triton_tree_builder():
+    """For pure EAGLE trees our verify tensors equal SGLang's (both mask layouts)."""
+    script = textwrap.dedent(
+        """
+        import os, torch
+        os.environ["TRITON_INTERPRET"] = "1"
+        from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton, TreeMaskMode
+        from sglang.srt.speculative.eagle_utils import organize_draft_results
+        from graft_spec.tree import eagle_rerank
+        from sglang_patch.graft_info import build_graft_verify_input, split_eagle_lists
+        for seed, (topk, steps, n) in enumerate([(3, 3, 8), (2, 4, 10), (4, 2, 6)]):
+            torch.manual_seed(seed)
+            bs = 3
+            p0 = torch.rand(bs, topk).sort(descending=True).values
+            sl, tl, pl = [p0.unsqueeze(1)], [torch.randint(0, 50, (bs, topk))], [torch.arange(-1, topk).expand(bs, -1)]
+            scores = p0
+            for i in range(1, steps):
+                pt = torch.rand(bs, topk, topk).sort(dim=-1, descending=True).values * 0.9
+                ex = scores.unsqueeze(2) * pt
+                bp, bi = torch.topk(ex.flatten(1), topk)
+                sl.append(ex); tl.append(torch.randint(0, 50, (bs, topk * topk))); pl.append(bi + topk * topk * (i - 1) + topk)
+                scores = bp
+            parent_list, tsi, dt = organize_draft_results(sl, tl, pl, n)
+            seq = torch.tensor([5, 9, 1])
+            roots = torch.tensor([7, 11, 3])
+            flat_s = torch.cat([s.reshape(bs, -1) for s in sl], 1)
+            tree = eagle_rerank(*split_eagle_lists(flat_s, torch.cat(tl, 1), parent_list, topk, steps),
+                                root_tokens=roots, num_nodes=n)
+            for mode in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
+                numel = bs * n * n if mode == TreeMaskMode.QLEN_ONLY else int((n * (seq + n)).sum())
+                mask = torch.ones(numel, dtype=torch.bool)
+                pos = torch.empty(bs * n, dtype=torch.long)
+                rb = torch.full((3, bs, n), -1, dtype=torch.long)
+                sgl_build_tree_kernel_triton(parent_list, tsi, seq, mask, pos, rb[0], rb[1], rb[2], topk, steps, n, mode)
+                vi = build_graft_verify_input(tree, seq, seq.tolist(), mode=mode, topk=topk, steps=steps)
+                assert torch.equal(vi.custom_mask, mask), (seed, mode)
+                assert torch.equal(vi.positions, pos), (seed, mode)
+                assert torch.equal(vi.retrieve_index, rb[0]) and torch.equal(vi.retrieve_next_token, rb[1])
+                assert torch.equal(vi.retrieve_next_sibling, rb[2])
+                assert torch.equal(vi.draft_token.view(bs, n)[:, 1:], dt) and torch.equal(vi.draft_token.view(bs, n)[:, 0], roots)
+                assert vi.max_tree_depth == n and vi.tree_topk == -1
+        print("LAYOUT-OK")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert "LAYOUT-OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_full_mask_into_preallocated_buffer_keeps_prefix_true():
+    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+    from graft_spec.tree import DraftTree, ancestor_mask
+    from sglang_patch.graft_info import build_graft_verify_input
+
+    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 0]])
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    tree = DraftTree(tokens, parents, torch.zeros(2, 5), torch.zeros(2, 5, dtype=torch.long))
+    seq = torch.tensor([3, 2])
+    buf = torch.zeros(200, dtype=torch.bool)
+    vi = build_graft_verify_input(tree, seq, [3, 2], mode=TreeMaskMode.FULL_MASK, topk=2, steps=3,
+                                  mask_buffer=buf)
+    assert vi.custom_mask is buf
+    anc = ancestor_mask(parents)
+    off = 0
+    for b, s in enumerate([3, 2]):
+        rows = buf[off: off + 5 * (s + 5)].view(5, s + 5)
+        assert rows[:, :s].all()
+        assert torch.equal(rows[:, s:], anc[b])
+        off += 5 * (s + 5)
+    assert vi.positions.tolist() == [3, 4, 4, 5, 6, 2, 3, 4, 5, 3]
+    assert vi.tree_depth == 3
+
+
+# ------------------------------------------------------------------ per-request state
+def _req(rid, prompt, outputs):
+    return SimpleNamespace(rid=rid, origin_input_ids=list(prompt), output_ids=list(outputs), customized_info=None)
+
+
+def _planner(**retrieval):
+    from graft_spec.config import GraftConfig
+    from graft_spec.pipeline import GraftPlanner
+
+    cfg = GraftConfig(num_draft_tokens=8, topk=2, depth=3, retrieval=retrieval or {})
+    return GraftPlanner(cfg, vocab_size=64)
+
+
+def test_tracker_lifecycle_meta_and_no_leak():
+    from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
+
+    planner = _planner()
+    tr = GraftRequestTracker(planner)
+    a, b = _req("a", [1, 2, 3, 4], [5]), _req("b", [9, 8], [7])
+    assert tr.prepare([a, b], seq_lens=[4, 2], roots=[5, 7]) == ["a", "b"]
+    assert tr.live() == 2 and planner.live_requests() == 2
+    assert a.customized_info[META_KEY] == ["t"]  # the prefill token
+    tr.commit([a, b], emitted=[[6, 7, 8], [1]], node_sources=[[0, 1], []])
+    assert a.customized_info[META_KEY] == ["t", "d", "r", "t"]
+    assert b.customized_info[META_KEY] == ["t", "t"]
+    assert tr.states["a"].seen == 4 + 1 + 3 and tr.states["a"].accepted == [1, 1, 0]
+    # In sync: seq_len advanced by the accept length, no restart.
+    a.output_ids += [6, 7, 8]
+    tr.prepare([a], seq_lens=[7], roots=[8])
+    assert tr.states["a"].rounds == 1
+    tr.finish("a")
+    tr.finish("b")
+    tr.finish("never-started")
+    assert tr.live() == 0 and planner.live_requests() == 0
+
+
+def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
+    from sglang_patch.graft_requests import META_KEY, GraftRequestTracker, resync_history
+
+    assert resync_history([1, 2], [3, 4, 5], seq_len=4, root=9) == [1, 2, 3, 4, 9]
+    planner = _planner()
+    tr = GraftRequestTracker(planner, stale_rounds=2)
+    a = _req("a", [1, 2, 3], [4, 5])
+    tr.prepare([a], seq_lens=[4], roots=[5])
+    assert tr.states["a"].seen == 5 and a.customized_info[META_KEY] == ["t", "t"]
+    # Out of sync (e.g. retracted and re-prefilled): rebuilt from the request's tokens.
+    a.output_ids = [4, 5, 6, 7]
+    tr.prepare([a], seq_lens=[6], roots=[7])
+    assert tr.states["a"].seen == 7 and a.customized_info[META_KEY] == ["t"] * 4
+    other = _req("b", [1], [2])
+    for _ in range(4):
+        tr.prepare([other], seq_lens=[1], roots=[2])
+    assert "a" not in tr.states and tr.live() == 1 and planner.live_requests() == 1
+
+
+def test_after_verify_translates_sglang_result():
+    """SGLang-shaped verify outputs -> emitted tokens, per-source counts, successor update."""
+    from graft_spec.tree import SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
+    from sglang_patch.graft_info import GraftVerifyInput
+    from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
+    from sglang_patch.graft_worker import GraftWorker
+
+    bs, n, vocab = 2, 4, 64
+    planner = _planner()
+    worker = object.__new__(GraftWorker)
+    worker.planner, worker.requests, worker.successor_k = planner, GraftRequestTracker(planner), 3
+    reqs = [_req("x", [1, 2], [10]), _req("y", [3], [20])]
+    worker.requests.prepare(reqs, seq_lens=[2, 1], roots=[10, 20])
+    tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 0, 22]])
+    source = torch.tensor([[SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED],
+                           [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_PADDING, SOURCE_DRAFT]])
+    vi = SimpleNamespace(draft_token_num=n, draft_token=tokens.reshape(-1), node_source=source)
+    # Request x accepted nodes 0 -> 2 -> 3 (global 0, 2, 3) + bonus 44; y accepted nothing, bonus 55.
+    accept_index = torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1]], dtype=torch.int32)
+    accept_lens = torch.tensor([3, 1], dtype=torch.int32)
+    predict = torch.tensor([12, 13, 44, 0, 55, 0, 0, 0], dtype=torch.int32)  # compacted to the front
+    logits = torch.zeros(bs * n, vocab)
+    logits[torch.arange(bs * n), torch.arange(bs * n) + 30] = 5.0  # top-1 after node i is 30 + i
+    result = SimpleNamespace(accept_index=accept_index, accept_lens=accept_lens, next_token_ids=predict,
+                             logits_output=SimpleNamespace(next_token_logits=logits))
+    worker._after_verify(SimpleNamespace(reqs=reqs), vi, result)
+    assert reqs[0].customized_info[META_KEY] == ["t", "r", "r", "t"]
+    assert reqs[1].customized_info[META_KEY] == ["t", "t"]
+    assert worker.requests.states["x"].accepted == [0, 2, 0]
+    assert worker.requests.states["x"].seen == 3 + 3
+    table = planner.retriever.successor.table
+    assert table[11, 0].item() == 31 and table[22, 0].item() == 37  # non-padding rows updated
+    assert table[0, 0].item() != 36  # the padding node's row (token 0) was not overwritten
