@@ -332,6 +332,9 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
         )
     if (getattr(sa, "pp_size", 1) or 1) > 1:
         raise GraftSettingsError("graft does not support pipeline parallelism (--pp-size > 1)")
+    for flag in ("speculative_adaptive", "enable_multi_layer_eagle"):
+        if getattr(sa, flag, False):
+            raise GraftSettingsError(f"graft does not support --{flag.replace('_', '-')}")
 
     cfg = effective_graft_config(sa, environ)
     for field, sa_field in SHARED_SHAPE.items():
