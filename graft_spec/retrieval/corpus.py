@@ -5,8 +5,9 @@ by all requests; each request only keeps its last ``max_match`` context tokens. 
 walks the trie with binary search over the match length (O(max_match log max_match)
 dict lookups), then expands continuations like the suffix index.
 
-Memory: insertion stops once the index reaches ``max_mb`` megabytes (checked every
-1024 tokens); ``truncated`` tells whether the corpus was cut. This pure-Python index is
+Memory: insertion stops once the index reaches ``max_mb`` megabytes (checked every 128
+tokens, so the overshoot is at most 128 * max_depth nodes); ``truncated`` tells whether
+the corpus was cut. This pure-Python index is
 meant for corpora of up to a few million tokens; larger ones belong in SGLang's C++
 NGRAM corpus (reference sglang-0.5.23 §3).
 
@@ -60,7 +61,7 @@ class CorpusIndex(RetrievalSource):
             for t in seq:
                 self.trie.append(int(t))
                 added += 1
-                if added % 1024 == 0 and self.trie.memory_bytes() > self.max_bytes:
+                if added % 128 == 0 and self.trie.memory_bytes() > self.max_bytes:
                     self.truncated = True
                     break
         self.trie.reset_stream()

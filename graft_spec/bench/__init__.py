@@ -1,0 +1,6 @@
+"""Side-by-side benchmark of speculative methods on real SGLang servers (``python -m graft_spec.bench``).
+
+Drives HTTP servers only (no engine imports): each method/budget gets its own server process,
+the same prompts are sent at each concurrency, and every greedy output is checked against the
+no-speculation server in the same run.
+"""
