@@ -7,12 +7,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-#: GraftConfig overrides of the graft variants (merged over the base config file, if any).
+#: Share of the budget N kept as draft nodes at each pruning stage, and the stages' thresholds
+#: (paper setting 8 / 24 / 40 of 60; thresholds from configs/qwen3-8b.yaml).
+STAGE_KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
+STAGE_THRESHOLDS = (0.35, 0.25, 0.15)
+_NO_RETRIEVAL = {"successor": False, "suffix": False, "corpus": False}
+#: The graft variants: name -> GraftConfig overrides beyond the budget-dependent checkpoints.
+#: pruned_only: the pruned draft tree, freed slots padded (no retrieval, no refill).
+#: retrieval_only: one draft node kept (a stage that always fires), the rest retrieved.
 GRAFT_VARIANTS: Dict[str, Dict[str, Any]] = {
     "graft": {},
-    "pruned_only": {"retrieval": {"enabled": False}},
-    "retrieval_only": {"draft_enabled": False},
+    "pruned_only": {"retrieval": _NO_RETRIEVAL, "graft": {"refill_with_draft": False}},
+    "retrieval_only": {"graft": {"refill_with_draft": False}},
 }
+
+
+def stage_checkpoints(n: int, depth: int, variant: str) -> List[Dict[str, Any]]:
+    """Pruning checkpoints for budget ``n`` and draft ``depth`` (node depths 1, 2, depth-1).
+
+    ``retrieval_only`` gets a single stage at depth 1 that fires unless c_1 >= 0.999999 and keeps
+    one draft node (GraftConfig requires keep >= 1).
+    """
+    if variant == "retrieval_only":
+        return [{"depth": 1, "threshold": 0.999999, "keep": 1}]
+    depths = sorted({1, min(2, depth), max(depth - 1, 1)})
+    out: List[Dict[str, Any]] = []
+    prev = 0
+    for d, f, th in zip(depths, STAGE_KEEP_FRACTIONS, STAGE_THRESHOLDS):
+        keep = max(prev + 1, round(n * f))
+        if keep >= n:
+            break
+        out.append({"depth": d, "threshold": th, "keep": keep})
+        prev = keep
+    return out
 
 
 @dataclass
@@ -88,6 +115,6 @@ def build_methods(names: List[str], budgets: List[int], dense_n: int, depth: int
             out.append(MethodSpec("eagle3", f"eagle3_n{n}", n, depth, topk, draft))
         for v in GRAFT_VARIANTS:
             if v in names:
-                out.append(MethodSpec(v, f"{v}_n{n}", n, depth, topk, draft, dict(GRAFT_VARIANTS[v]),
-                                      base_graft_config))
+                over = {**GRAFT_VARIANTS[v], "checkpoints": stage_checkpoints(n, depth, v)}
+                out.append(MethodSpec(v, f"{v}_n{n}", n, depth, topk, draft, over, base_graft_config))
     return out

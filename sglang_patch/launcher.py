@@ -1,0 +1,132 @@
+"""Start and stop a real SGLang server process on loopback (used by the benchmark and tests).
+
+The server runs as ``python -m sglang.launch_server`` in its own process group so that teardown
+kills the scheduler/detokenizer children too. Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import httpx
+
+#: Arguments every CPU server needs (../shared/reference/sglang-cpu-facts.md).
+CPU_SERVER_ARGS: List[str] = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--mem-fraction-static", "0.1",
+]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (racy by nature; the server start retries nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or did not become healthy in time; ``log_tail`` holds its output."""
+
+    def __init__(self, msg: str, log_tail: str):
+        super().__init__(f"{msg}\n--- server log tail ---\n{log_tail}")
+        self.log_tail = log_tail
+
+
+@dataclass
+class SGLangServer:
+    """A running (or startable) SGLang server.
+
+    Attributes:
+        model_path: target model directory.
+        args: extra CLI arguments (after the CPU defaults).
+        env: extra environment variables for the server process.
+        log_path: where stdout/stderr go.
+        port: loopback port (a free one when 0).
+        startup_timeout_s: seconds to wait for ``/health_generate``.
+    """
+
+    model_path: str
+    args: Sequence[str] = ()
+    env: Dict[str, str] = field(default_factory=dict)
+    log_path: Optional[str] = None
+    port: int = 0
+    startup_timeout_s: float = 600.0
+    cpu_defaults: bool = True
+    proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:30000``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> List[str]:
+        """The full command line."""
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.cpu_defaults:
+            cmd += CPU_SERVER_ARGS
+        return cmd + list(self.args)
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        """Last characters of the server log."""
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        return Path(self.log_path).read_text(errors="replace")[-n_chars:]
+
+    def start(self) -> "SGLangServer":
+        """Start the process and wait until it answers a generation health check.
+
+        Raises:
+            ServerStartError: the process exited, or did not get healthy within the timeout.
+        """
+        if not self.port:
+            self.port = free_port()
+        if not self.log_path:
+            self.log_path = f"/tmp/sglang_server_{self.port}.log"
+        env = dict(os.environ)
+        env.update(self.env)
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"server exited with {self.proc.returncode}", self.log_tail())
+            try:
+                if httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"server not healthy after {self.startup_timeout_s:.0f} s", self.log_tail())
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Terminate the whole process group (SIGTERM, then SIGKILL after ``grace_s``)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=grace_s)
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
