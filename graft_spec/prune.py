@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from .config import PruneStage
-from .tree import SOURCE_DRAFT, DraftTree, node_depths, path_min
+from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, top_mask
 
 __all__ = ["PruneResult", "checkpoint_confidence", "select_stage", "prune"]
 
@@ -112,11 +112,8 @@ def prune(tree: DraftTree, checkpoints: Sequence[PruneStage], num_nodes: int) ->
 
     key = torch.where(eligible, tree.logp.float(), torch.full((), -math.inf, device=device))
     key[:, 0] = math.inf
-    key = path_min(key, tree.parents)
-    order = torch.sort(key[:, 1:], dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(nd - 1, device=device).expand(b, -1))
-    keep_rest = (rank < budget[:, None]) & torch.isfinite(key[:, 1:])
+    key = path_min(key, tree.parents)[:, 1:]
+    keep_rest = top_mask(order_key(key), budget, kmax=num_nodes - 1) & (key > -math.inf)
     keep = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), keep_rest], dim=1)
     return PruneResult(keep=keep, stage=stage, budget=budget,
                        num_kept=keep_rest.sum(dim=1), confidence=conf)

@@ -36,7 +36,7 @@ __all__ = [
     "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES",
     "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
-    "path_min", "eagle_rerank", "eagle_step",
+    "path_min", "order_key", "top_mask", "eagle_rerank", "eagle_step",
 ]
 
 SOURCE_DRAFT = 0       #: node proposed by the draft model (the root is also tagged draft)
@@ -51,8 +51,17 @@ def _rounds(n: int) -> int:
     return max(1, math.ceil(math.log2(max(n, 2))))
 
 
+def jump_finished(p: torch.Tensor) -> bool:
+    """Early exit for pointer-jumping loops: True when every pointer reached the root.
+
+    Checked on CPU only (cheap there); on accelerators the loops run the fixed
+    ceil(log2 N) rounds to avoid a device sync per round.
+    """
+    return p.device.type == "cpu" and not bool((p >= 0).any())
+
+
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of every node (root = 0) by pointer jumping, ceil(log2 N) gathers.
+    """Depth of every node (root = 0) by pointer jumping, <= ceil(log2 N) gathers.
 
     Args:
         parents: ``int64[B, N]``, -1 for the root, parent index < child index.
@@ -62,6 +71,8 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     p = parents.clone()
     d = (p >= 0).to(torch.int64)
     for _ in range(_rounds(parents.shape[1])):
+        if jump_finished(p):
+            break
         valid = p >= 0
         safe = p.clamp(min=0)
         d = torch.where(valid, d + d.gather(1, safe), d)
@@ -84,11 +95,59 @@ def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     p = parents.clone()
     m = values.clone()
     for _ in range(_rounds(parents.shape[1])):
+        if jump_finished(p):
+            break
         valid = p >= 0
         safe = p.clamp(min=0)
         m = torch.where(valid, torch.minimum(m, m.gather(1, safe)), m)
         p = torch.where(valid, p.gather(1, safe), p)
     return m
+
+
+_IDX_BITS = 20
+
+
+def order_key(values: torch.Tensor) -> torch.Tensor:
+    """Unique, order-preserving int64 key: larger value first, ties -> lower index first.
+
+    The float32 bit pattern is mapped to a monotone integer and the (inverted) column
+    index is appended in the low 20 bits, so ``topk`` on the key is a stable
+    descending selection (torch.sort on CPU is ~10x slower than topk for these sizes).
+    NaN counts as -inf.
+
+    Args:
+        values: ``float[B, U]`` with U < 2**20.
+    Returns:
+        ``int64[B, U]``.
+    """
+    u = values.shape[1]
+    v = torch.nan_to_num(values.float(), nan=-math.inf).contiguous()
+    bits = v.view(torch.int32).to(torch.int64)
+    mono = torch.where(bits < 0, -(2 ** 31) - bits, bits)
+    idx = torch.arange(u, device=values.device)
+    return mono * (1 << _IDX_BITS) + ((1 << _IDX_BITS) - 1 - idx)
+
+
+def top_mask(key: torch.Tensor, k: "int | torch.Tensor", kmax: Optional[int] = None) -> torch.Tensor:
+    """``bool[B, U]``: the ``k`` largest entries per row of a unique key (see `order_key`).
+
+    Args:
+        key: ``int64[B, U]`` unique per row.
+        k: int, or ``int64[B]`` per-row counts.
+        kmax: upper bound of ``k`` (avoids a device sync when ``k`` is a tensor).
+    """
+    b, u = key.shape
+    if kmax is None:
+        kmax = int(k) if not isinstance(k, torch.Tensor) else int(k.max().item()) if k.numel() else 0
+    kmax = min(kmax, u)
+    if kmax <= 0:
+        return torch.zeros(b, u, dtype=torch.bool, device=key.device)
+    vals = key.topk(kmax, dim=1).values
+    if not isinstance(k, torch.Tensor):
+        return key >= vals[:, kmax - 1:kmax]
+    kk = k.to(torch.int64).clamp(max=kmax)
+    kth = vals.gather(1, (kk - 1).clamp(min=0)[:, None])
+    return (key >= kth) & (kk > 0)[:, None]
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -112,6 +171,8 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     safe = p.clamp(min=0)
     anc = torch.where(p >= 0, p.gather(1, safe), p)
     for _ in range(_rounds(n)):
+        if jump_finished(anc):
+            break
         valid = anc >= 0
         safe = anc.clamp(min=0)
         rows = mask.gather(1, safe[:, :, None].expand(b, n, n))
@@ -333,8 +394,8 @@ def eagle_rerank(scores_per_step: Sequence[torch.Tensor],
     index convention above) and keeps the global top ``num_nodes - 1`` cumulative
     scores, sorted by global index (so parents precede children), like
     ``organize_draft_results`` + ``build_tree_kernel_efficient``. Differences, both
-    deliberate: scores are first made monotone along paths (`path_min`; NaN -> -inf)
-    and ties are broken by lower global index, so the kept set is always
+    deliberate: scores are first made monotone along paths (NaN -> -inf) and ties are
+    broken by lower global index, so the kept set is always
     ancestor-closed (SGLang's ``torch.topk`` leaves ties unspecified); and the
     scores are kept (as ``logp``) instead of discarded.
 
@@ -366,16 +427,22 @@ def eagle_rerank(scores_per_step: Sequence[torch.Tensor],
         raise ValueError(f"eagle_rerank: num_nodes={num_nodes} must be in [2, {s + 1}]")
     gpar = _global_parents(parents_per_step, topk, s, b, device)
     logs = torch.nan_to_num(torch.log(scores.clamp(min=0)), nan=-math.inf)
-    logs = path_min(logs, gpar)
-    order = torch.sort(logs, dim=1, descending=True, stable=True).indices[:, : num_nodes - 1]
-    sel = order.sort(dim=1).values                                           # [B, N-1]
-    pos = torch.full((b, s), -1, dtype=torch.int64, device=device)
-    pos.scatter_(1, sel, torch.arange(1, num_nodes, device=device).expand(b, -1))
-    gp_sel = gpar.gather(1, sel)
+    for i in range(1, steps):  # monotone along paths; step i's parents live in step i-1
+        lo = topk + (i - 1) * topk * topk
+        blk = slice(lo, lo + topk * topk)
+        logs[:, blk] = torch.minimum(logs[:, blk], logs.gather(1, gpar[:, blk]))
+    sel = top_mask(order_key(logs), num_nodes - 1)                          # [B, S]
+    rank = torch.cumsum(sel, dim=1)                                         # 1-based tree index
+    dest = torch.where(sel, rank - 1, num_nodes - 1)
+    sel_idx = torch.zeros(b, num_nodes, dtype=torch.int64, device=device)
+    sel_idx.scatter_(1, dest, torch.arange(s, device=device).expand(b, s))
+    sel_idx = sel_idx[:, : num_nodes - 1]                                   # ascending global idx
+    pos = torch.where(sel, rank, -1)
+    gp_sel = gpar.gather(1, sel_idx)
     par_sel = torch.where(gp_sel < 0, 0, pos.gather(1, gp_sel.clamp(min=0)))
     parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), par_sel], dim=1)
-    toks = torch.cat([root_tokens.reshape(b, 1).to(torch.int64), tokens.gather(1, sel)], dim=1)
-    logp = torch.cat([torch.zeros(b, 1, device=device), logs.gather(1, sel)], dim=1)
+    toks = torch.cat([root_tokens.reshape(b, 1).to(torch.int64), tokens.gather(1, sel_idx)], dim=1)
+    logp = torch.cat([torch.zeros(b, 1, device=device), logs.gather(1, sel_idx)], dim=1)
     source = torch.full((b, num_nodes), SOURCE_DRAFT, dtype=torch.int64, device=device)
     return DraftTree(toks, parents, logp, source)
 

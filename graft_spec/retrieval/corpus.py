@@ -58,10 +58,12 @@ class CorpusIndex(RetrievalSource):
             if self.truncated:
                 break
             self.trie.reset_stream()
-            for t in seq:
-                self.trie.append(int(t))
-                added += 1
-                if added % 128 == 0 and self.trie.memory_bytes() > self.max_bytes:
+            seq = list(seq)
+            for i in range(0, len(seq), 128):
+                chunk = seq[i:i + 128]
+                self.trie.extend(chunk)
+                added += len(chunk)
+                if self.trie.memory_bytes() > self.max_bytes:
                     self.truncated = True
                     break
         self.trie.reset_stream()

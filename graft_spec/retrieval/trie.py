@@ -53,41 +53,38 @@ class CountTrie:
                 + sum(a.buffer_info()[1] * a.itemsize for a in
                       (self._count, self._first, self._next, self._token)))
 
-    def _child(self, node: int, token: int) -> int:
-        key = (node << _SHIFT) | token
-        c = self._edge.get(key)
-        if c is None:
-            c = len(self._count)
-            self._edge[key] = c
-            self._count.append(0)
-            self._first.append(-1)
-            self._next.append(self._first[node])
-            self._token.append(token)
-            self._first[node] = c
-        return c
-
     def reset_stream(self) -> None:
         """Start a new independent stream (no substring spans the boundary)."""
         self.active = []
 
     def append(self, token: int) -> None:
         """Append one token (0 <= token < 2**32) to the current stream."""
-        new = []
-        c = self._child(0, token)
-        self._count[c] += 1
-        if self.depth > 1:
-            new.append(c)
-        lim = self.depth - 1
-        for node in self.active:
-            c = self._child(node, token)
-            self._count[c] += 1
-            if len(new) < lim:
-                new.append(c)
-        self.active = new
+        self.extend((token,))
 
     def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens; <= ``depth`` dict operations per token (hot path, kept flat)."""
+        edge, count, first, nxt, tok_col = self._edge, self._count, self._first, self._next, self._token
+        lim = self.depth - 1
+        active = self.active
         for t in tokens:
-            self.append(int(t))
+            t = int(t)
+            new = []
+            for node in (0, *active):
+                key = (node << _SHIFT) | t
+                c = edge.get(key)
+                if c is None:
+                    c = len(count)
+                    edge[key] = c
+                    count.append(1)
+                    nxt.append(first[node])
+                    first.append(-1)
+                    tok_col.append(t)
+                    first[node] = c
+                else:
+                    count[c] += 1
+                new.append(c)
+            active = new[:lim] if len(new) > lim else new
+        self.active = active
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Node of the substring ``tokens`` or -1."""
