@@ -38,8 +38,8 @@ import torch
 
 from .config import GraftPolicy
 from .retrieval.base import Candidates
-from .tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, jump_finished, order_key,
-                   path_min, top_mask)
+from .tree import (IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, jump_finished,
+                   order_key, path_min, sentinel_parents, top_mask)
 
 __all__ = ["path_hashes", "canonical_nodes", "graft"]
 
@@ -63,41 +63,37 @@ def path_hashes(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     Returns:
         ``int64[B, U]``; equal paths always give equal hashes.
     """
+    b, u = tokens.shape
+    p = sentinel_parents(parents)                                        # [B, U+1]
     s = tokens * _MIX + _ADD
-    s = s ^ (s >> 31)
-    pw = torch.full_like(tokens, _POW)
-    p = parents.clone()
-    for _ in range(_rounds(tokens.shape[1])):
-        if jump_finished(p):
+    s = torch.cat([s ^ (s >> 31), torch.zeros(b, 1, dtype=s.dtype, device=s.device)], dim=1)
+    pw = torch.full_like(s, _POW)
+    pw[:, u] = 1                                                         # sentinel: empty segment
+    for _ in range(_rounds(u + 1)):
+        if jump_finished(p, u):
             break
-        valid = p >= 0
-        safe = p.clamp(min=0)
-        s_new = torch.where(valid, s.gather(1, safe) * pw + s, s)
-        pw_new = torch.where(valid, pw.gather(1, safe) * pw, pw)
-        p = torch.where(valid, p.gather(1, safe), p)
-        s, pw = s_new, pw_new
-    return s
+        s = s.gather(1, p) * pw + s
+        pw = pw.gather(1, p) * pw
+        p = p.gather(1, p)
+    return s[:, :u]
 
 
-def _scatter_max(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    out = torch.full_like(values, -math.inf)
-    return out.scatter_reduce(1, index, values, reduce="amax", include_self=True)
-
-
-_BUCKET_BITS = 11
-_DEDUPE_ROUNDS = 3
+_BUCKET_BITS = 8
+_DEDUPE_ROUNDS = 4
 
 
 def canonical_nodes(h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lowest index with the same hash, for every valid node (sort-free).
 
-    Each round scatters the pending node indices into 2**11 buckets per row (a different
+    Each round scatters the pending node indices into 2**8 buckets per row (a different
     slice of the hash bits per round) with ``amin``; a node whose bucket minimum has its
     own hash is resolved (that minimum is the lowest index of its hash group, since equal
-    hashes always share a bucket, so a group resolves all at once or not at all).
-    Nodes still pending after 3 rounds (a bucket collision in every round: ~3% of nodes
-    collide in round 1 at U = 133, ~0.2% of those in round 2, so essentially never) are
-    reported so the caller can drop them, which is always safe (fewer candidates).
+    hashes always share a bucket, so a group resolves all at once or not at all). At
+    U = 133 about a quarter of the nodes collide in round 1, ~7% of those in round 2 and
+    so on; nodes still pending after 4 rounds (essentially never) are reported so the
+    caller can drop them, which is always safe (fewer candidates). The bucket table is
+    kept small (int32, 256 per row) on purpose: large fresh buffers cost page faults on
+    CPU (a [64, 2048] int64 table took ~0.5 ms to fill).
 
     Args:
         h: ``int64[B, U]`` hashes; valid: ``bool[B, U]``.
@@ -105,19 +101,21 @@ def canonical_nodes(h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
         ``(canon int64[B, U], unresolved bool[B, U])``; invalid nodes map to themselves.
     """
     b, u = h.shape
-    ar = torch.arange(u, device=h.device).expand(b, u)
-    canon = ar.clone()
+    ar = torch.arange(u, device=h.device, dtype=torch.int32).expand(b, u)
+    canon = ar.to(torch.int64)
     pending = valid.clone()
     nb = 1 << _BUCKET_BITS
+    table = torch.full((b, nb), u, dtype=torch.int32, device=h.device)
     for r in range(_DEDUPE_ROUNDS):
-        bucket = (h >> (r * 17 + 3)) & (nb - 1)
+        bucket = (h >> (r * 13 + 3)) & (nb - 1)
         idx = torch.where(pending, ar, u)
-        table = torch.full((b, nb), u, dtype=torch.int64, device=h.device)
         table.scatter_reduce_(1, bucket, idx, reduce="amin", include_self=True)
-        cand = table.gather(1, bucket).clamp(max=u - 1)
+        cand = table.gather(1, bucket).to(torch.int64).clamp(max=u - 1)
         ok = pending & (h.gather(1, cand) == h)
         canon = torch.where(ok, cand, canon)
         pending = pending & ~ok
+        if r + 1 < _DEDUPE_ROUNDS:
+            table.scatter_(1, bucket, u)  # reset only the touched buckets
     return canon, pending
 
 
@@ -173,15 +171,15 @@ def graft(draft: DraftTree, keep: torch.Tensor, cands: Optional[Candidates], num
     canon, unresolved = canonical_nodes(path_hashes(tok, par), valid)
     valid = valid & ~unresolved
 
-    is_draft = (ar < nd)[None, :]
-    gkey = _scatter_max(canon, key)
-    gd = _scatter_max(canon, torch.where(is_draft, key, neg_inf))
-    gr = _scatter_max(canon, torch.where(is_draft, neg_inf, key))
-    src = torch.where(gd >= gr, SOURCE_DRAFT, SOURCE_RETRIEVED)
-    all_logp = torch.cat([dlogp, torch.log(score)], dim=1)
-    glogp_d = _scatter_max(canon, torch.where(is_draft & valid, all_logp, neg_inf))
-    glogp_r = _scatter_max(canon, torch.where(~is_draft & valid, all_logp, neg_inf))
-    glogp = torch.where(src == SOURCE_DRAFT, glogp_d, glogp_r)
+    # the group's best member (highest priority, then lowest index) gives its priority,
+    # source and logp: one scatter of the unique order key, decoded back to an index
+    okey = order_key(key)
+    best = torch.full_like(okey, torch.iinfo(torch.int64).min).scatter_reduce(
+        1, canon, okey, reduce="amax", include_self=True)
+    best_idx = ((1 << IDX_BITS) - 1 - (best & ((1 << IDX_BITS) - 1))).clamp(0, u - 1)
+    gkey = key.gather(1, best_idx)
+    src = torch.where(best_idx < nd, SOURCE_DRAFT, SOURCE_RETRIEVED)
+    glogp = torch.cat([dlogp, torch.log(score)], dim=1).gather(1, best_idx)
 
     unique = valid & (canon == ar)
     cpar = canon.gather(1, par.clamp(min=0))

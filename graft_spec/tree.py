@@ -36,7 +36,7 @@ __all__ = [
     "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES",
     "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
-    "path_min", "order_key", "top_mask", "eagle_rerank", "eagle_step",
+    "path_min", "sentinel_parents", "order_key", "top_mask", "eagle_rerank", "eagle_step", "tree_from_selection",
 ]
 
 SOURCE_DRAFT = 0       #: node proposed by the draft model (the root is also tagged draft)
@@ -51,33 +51,44 @@ def _rounds(n: int) -> int:
     return max(1, math.ceil(math.log2(max(n, 2))))
 
 
-def jump_finished(p: torch.Tensor) -> bool:
-    """Early exit for pointer-jumping loops: True when every pointer reached the root.
+def sentinel_parents(parents: torch.Tensor) -> torch.Tensor:
+    """Parents with one extra sentinel column: ``int64[B, N + 1]``, root -> N, N -> N.
+
+    Pointer jumping over this array needs no masking: a pointer that passed the root
+    sits on the sentinel, whose value is the neutral element of the reduction.
+    """
+    b, n = parents.shape
+    p = torch.where(parents < 0, n, parents)
+    return torch.cat([p, torch.full((b, 1), n, dtype=p.dtype, device=p.device)], dim=1)
+
+
+def jump_finished(p: torch.Tensor, sentinel: int) -> bool:
+    """Early exit for pointer-jumping loops: True when every pointer sits on the sentinel.
 
     Checked on CPU only (cheap there); on accelerators the loops run the fixed
     ceil(log2 N) rounds to avoid a device sync per round.
     """
-    return p.device.type == "cpu" and not bool((p >= 0).any())
+    return p.device.type == "cpu" and bool((p == sentinel).all())
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of every node (root = 0) by pointer jumping, <= ceil(log2 N) gathers.
+    """Depth of every node (root = 0) by pointer jumping, <= ceil(log2 N) rounds.
 
     Args:
         parents: ``int64[B, N]``, -1 for the root, parent index < child index.
     Returns:
         ``int64[B, N]``.
     """
-    p = parents.clone()
-    d = (p >= 0).to(torch.int64)
-    for _ in range(_rounds(parents.shape[1])):
-        if jump_finished(p):
+    b, n = parents.shape
+    p = sentinel_parents(parents)
+    d = torch.ones(b, n + 1, dtype=torch.int64, device=parents.device)   # nodes from i up to p[i], excl.
+    d[:, n] = 0
+    for _ in range(_rounds(n + 1)):
+        if jump_finished(p, n):
             break
-        valid = p >= 0
-        safe = p.clamp(min=0)
-        d = torch.where(valid, d + d.gather(1, safe), d)
-        p = torch.where(valid, p.gather(1, safe), p)
-    return d
+        d = d + d.gather(1, p)
+        p = p.gather(1, p)
+    return d[:, :n] - 1
 
 
 def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -92,19 +103,18 @@ def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     Returns:
         ``float[B, N]``.
     """
-    p = parents.clone()
-    m = values.clone()
-    for _ in range(_rounds(parents.shape[1])):
-        if jump_finished(p):
+    b, n = parents.shape
+    p = sentinel_parents(parents)
+    m = torch.cat([values, torch.full((b, 1), math.inf, dtype=values.dtype, device=values.device)], dim=1)
+    for _ in range(_rounds(n + 1)):
+        if jump_finished(p, n):
             break
-        valid = p >= 0
-        safe = p.clamp(min=0)
-        m = torch.where(valid, torch.minimum(m, m.gather(1, safe)), m)
-        p = torch.where(valid, p.gather(1, safe), p)
-    return m
+        m = torch.minimum(m, m.gather(1, p))
+        p = p.gather(1, p)
+    return m[:, :n]
 
 
-_IDX_BITS = 20
+IDX_BITS = 20  #: low bits of `order_key` holding the (inverted) column index
 
 
 def order_key(values: torch.Tensor) -> torch.Tensor:
@@ -125,7 +135,7 @@ def order_key(values: torch.Tensor) -> torch.Tensor:
     bits = v.view(torch.int32).to(torch.int64)
     mono = torch.where(bits < 0, -(2 ** 31) - bits, bits)
     idx = torch.arange(u, device=values.device)
-    return mono * (1 << _IDX_BITS) + ((1 << _IDX_BITS) - 1 - idx)
+    return mono * (1 << IDX_BITS) + ((1 << IDX_BITS) - 1 - idx)
 
 
 def top_mask(key: torch.Tensor, k: "int | torch.Tensor", kmax: Optional[int] = None) -> torch.Tensor:
@@ -163,23 +173,20 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         ``bool[B, N, N]``.
     """
     b, n = parents.shape
-    ar = torch.arange(n, device=parents.device)
-    mask = (ar[None, :, None] == ar[None, None, :]).expand(b, n, n).clone()
-    p = parents.clone()
-    mask |= (p[:, :, None] == ar[None, None, :])
+    ar = torch.arange(n + 1, device=parents.device)
+    p = sentinel_parents(parents)                                       # [B, N+1]
+    # rows over N+1 columns; the sentinel row/column stays False
+    mask = (ar[None, :, None] == ar[None, None, :]) | (p[:, :, None] == ar[None, None, :])
+    mask[:, :, n] = False
+    mask[:, n, :] = False
     # invariant: rows cover path distances < L and anc is the L-th ancestor (L = 2, 4, ...)
-    safe = p.clamp(min=0)
-    anc = torch.where(p >= 0, p.gather(1, safe), p)
-    for _ in range(_rounds(n)):
-        if jump_finished(anc):
+    anc = p.gather(1, p)
+    for _ in range(_rounds(n + 1)):
+        if jump_finished(anc, n):
             break
-        valid = anc >= 0
-        safe = anc.clamp(min=0)
-        rows = mask.gather(1, safe[:, :, None].expand(b, n, n))
-        mask |= rows & valid[:, :, None]
-        # 2**(k+1)-th ancestor = 2**k-th ancestor of the 2**k-th ancestor
-        anc = torch.where(valid, anc.gather(1, safe), anc)
-    return mask
+        mask |= mask.gather(1, anc[:, :, None].expand(b, n + 1, n + 1))
+        anc = anc.gather(1, anc)
+    return mask[:, :n, :n]
 
 
 def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,6 +452,62 @@ def eagle_rerank(scores_per_step: Sequence[torch.Tensor],
     logp = torch.cat([torch.zeros(b, 1, device=device), logs.gather(1, sel_idx)], dim=1)
     source = torch.full((b, num_nodes), SOURCE_DRAFT, dtype=torch.int64, device=device)
     return DraftTree(toks, parents, logp, source)
+
+
+def tree_from_selection(parent_list: torch.Tensor, top_scores_index: torch.Tensor,
+                        draft_tokens: torch.Tensor, root_tokens: torch.Tensor, topk: int,
+                        scores: Optional[torch.Tensor] = None) -> DraftTree:
+    """`DraftTree` from the outputs of SGLang's ``organize_draft_results`` (eagle_utils.py:100).
+
+    For adapters that hook in *after* SGLang's own rerank. Same parent rule as
+    ``build_tree_kernel_efficient`` (tb = index // topk; tb == 0 -> root, else the node
+    whose global index is ``parent_list[tb]``).
+
+    Args:
+        parent_list: ``int64[B, 1 + topk * (steps - 1)]`` (empty second dim when steps == 1).
+        top_scores_index: ``int64[B, N - 1]`` selected global indices, ascending.
+        draft_tokens: ``int64[B, N - 1]`` their tokens (root not included).
+        root_tokens: ``int64[B]``.
+        topk: EAGLE top-k.
+        scores: optional ``float[B, N - 1]`` cumulative probabilities of the selected
+            nodes (SGLang discards them; capture them with a sink, reference §2.5). When
+            None, a rank prior ``0.5 ** (rank + 1)`` per edge (rank = index % topk) stands in
+            so pruning still orders nodes sensibly.
+    Returns:
+        `DraftTree` ``[B, N]`` (source = draft).
+    Raises:
+        ValueError: a selected node whose parent was not selected (not ancestor-closed).
+    """
+    b, k = top_scores_index.shape
+    device = top_scores_index.device
+    idx = top_scores_index.to(torch.int64)
+    tb = idx // topk
+    if parent_list.shape[1] > 0:
+        gp = parent_list.to(torch.int64).gather(1, tb.clamp(max=parent_list.shape[1] - 1))
+    else:
+        gp = torch.full_like(idx, -1)
+    gp = torch.where(tb == 0, -1, gp)
+    pos = torch.searchsorted(idx.contiguous(), gp.clamp(min=0).contiguous())
+    found = idx.gather(1, pos.clamp(max=k - 1)) == gp
+    if bool(((gp >= 0) & ~found).any()):
+        raise ValueError("tree_from_selection: a selected node's parent is not selected")
+    par = torch.where(gp < 0, 0, pos + 1)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=device), par], dim=1)
+    if scores is not None:
+        logs = torch.nan_to_num(torch.log(scores.float().clamp(min=0)), nan=-math.inf)
+    else:
+        edge = -(idx % topk + 1).float() * math.log(2.0)
+        logs = torch.zeros(b, k + 1, device=device)
+        for _ in range(k):  # parents precede children: one sweep per level suffices; bounded
+            new = torch.cat([torch.zeros(b, 1, device=device), logs.gather(1, par) + edge], dim=1)
+            if torch.equal(new, logs):
+                break
+            logs = new
+        logs = logs[:, 1:]
+    logp = torch.cat([torch.zeros(b, 1, device=device), logs], dim=1)
+    toks = torch.cat([root_tokens.reshape(b, 1).to(torch.int64), draft_tokens.to(torch.int64)], dim=1)
+    return DraftTree(toks, parents, path_min(logp, parents),
+                     torch.full((b, k + 1), SOURCE_DRAFT, dtype=torch.int64, device=device))
 
 
 def eagle_step(step: int, probs_topk: torch.Tensor, tokens_topk: torch.Tensor,

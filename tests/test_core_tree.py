@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft_spec.tree import (DraftTree, ancestor_mask, eagle_rerank, eagle_step, has_duplicate_siblings,
-                             leaf_mask, node_depths, node_paths, parents_from_mask, path_min, sibling_links,
+                             tree_from_selection, leaf_mask, node_depths, node_paths, parents_from_mask, path_min, sibling_links,
                              validate_parents)
 from test_core_reference import ref_ancestors, ref_depths, ref_links, ref_mask, random_tree
 
@@ -170,3 +170,31 @@ def test_eagle_rerank_rejects_bad_budget():
         eagle_rerank(sl, tl, pl, torch.tensor([0]), 8)  # space = 2 + 4 = 6 -> N <= 7
     with pytest.raises(ValueError):
         eagle_rerank(sl, tl, pl, torch.tensor([0]), 1)
+
+
+@pytest.mark.parametrize("seed, topk, steps, n", [(0, 3, 4, 20), (1, 2, 1, 3), (2, 4, 3, 30), (3, 10, 7, 60)])
+def test_tree_from_selection_matches_rerank(seed, topk, steps, n):
+    """Hooking after SGLang's organize_draft_results gives the same tree as eagle_rerank."""
+    gen = torch.Generator().manual_seed(seed)
+    b = 3
+    sl, tl, pl = fake_eagle_lists(b, topk, steps, 200, gen)
+    root = torch.randint(0, 200, (b,), generator=gen)
+    scores = torch.cat([s.reshape(b, -1) for s in sl], 1)
+    toks = torch.cat([t.reshape(b, -1) for t in tl], 1)
+    idx = torch.sort(torch.topk(scores, n - 1, dim=-1).indices).values       # organize_draft_results
+    plist = torch.cat(pl[:-1], 1) if len(pl) > 1 else torch.empty(b, 0, dtype=torch.int64)
+    ref = eagle_rerank(sl, tl, pl, root, n)
+    got = tree_from_selection(plist, idx, toks.gather(1, idx), root, topk, scores.gather(1, idx))
+    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.parents, ref.parents)
+    assert torch.allclose(got.logp, ref.logp)
+    noscore = tree_from_selection(plist, idx, toks.gather(1, idx), root, topk)
+    assert torch.equal(noscore.parents, ref.parents)
+    assert (noscore.logp[:, 1:] <= noscore.logp.gather(1, noscore.parents.clamp(min=0))[:, 1:]).all()
+    bad = idx.clone()
+    if steps > 1:
+        deep = (bad // topk > 0).nonzero()
+        r, c = deep[0].tolist()
+        plist_bad = plist.clone()
+        plist_bad[r, bad[r, c] // topk] = 10 ** 6  # parent index that was never selected
+        with pytest.raises(ValueError):
+            tree_from_selection(plist_bad, bad, toks.gather(1, idx), root, topk)
