@@ -61,9 +61,12 @@ V, L, ROWS = 5, 3, 20_000
 TOPK, STEPS, ND, N = 2, 3, 7, 9
 
 
-def tables():
+def tables(processed=False):
     g = torch.Generator().manual_seed(1234)
-    target = torch.softmax(torch.randn(V, V, V, generator=g) * 2.0, -1)  # p(x | prev2, prev1)
+    logits = torch.randn(V, V, V, generator=g) * 2.0
+    target = torch.softmax(logits, -1)                                   # p(x | prev2, prev1)
+    if processed:  # the sampling distribution after temperature / top-k / top-p
+        target = logits_to_probs(logits, temperature=0.8, top_k=3, top_p=0.9)
     draft = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)      # q(x | prev1), a poor drafter
     return target, draft
 
@@ -158,8 +161,8 @@ def wrong_no_renorm(tokens, parents, probs, *, generator=None, source=None):
     return VerifyResult(torch.where(srt == n, -1, srt), on_path.sum(1), bonus, torch.zeros(b, 3, dtype=torch.int64))
 
 
-def decode_joint(verify, dedupe=True, seed=0):
-    target, draft_q = tables()
+def decode_joint(verify, dedupe=True, seed=0, processed=False):
+    target, draft_q = tables(processed)
     gen = torch.Generator().manual_seed(seed)
     prev = torch.full((ROWS,), 1)
     root = torch.full((ROWS,), 2)
@@ -220,10 +223,13 @@ def critical(df, z=3.0902):  # alpha = 1e-3, Wilson-Hilferty approximation of th
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampling_reproduces_target_distribution():
-    counts, exact, stats, retrieved_hits = decode_joint(sample_verify)
+@pytest.mark.parametrize("processed", [False, True], ids=["softmax", "temp-topk-topp"])
+def test_sampling_reproduces_target_distribution(processed):
+    counts, exact, stats, retrieved_hits = decode_joint(sample_verify, processed=processed)
     stat, df = chi_square(counts, exact)
-    assert df >= 30
+    assert df >= 10
+    if processed:  # outcomes outside the top-k / top-p support never appear
+        assert all(counts.get(seq, 0) == 0 for seq, p in exact.items() if p == 0)
     assert stat < critical(df), (stat, df)
     # the trees really were hybrid and really were used
     assert stats.tau > 1.3
