@@ -36,3 +36,27 @@ import torch, torchvision, transformers, sglang, graft_spec
 print(f"install_cpu: torch {torch.__version__}, torchvision {torchvision.__version__}, "
       f"transformers {transformers.__version__}, sglang {sglang.__version__}, graft_spec ok")
 PY
+
+# ---------------------------------------------------------------------------------------------
+# 4. Optional vLLM step (owner: vllm_worker/). Runs only with GRAFT_WITH_VLLM=1 or --with-vllm;
+#    scripts/run_tests.sh turns it on so the tests/test_vllm_*.py config/runner tests run in CI.
+#    vllm==0.33.0 goes in --no-deps: its dependency list pins torch==2.14.0 and pulls CUDA kernel
+#    packages. Only the modules its config / engine-args / spec-decode / V1 runner code imports are
+#    added (scripts/vllm_cpu_requirements.txt), under the torch/torchvision/transformers pins. The
+#    CUDA wheel cannot run a model here (no vllm._C CPU ops); see docs/vllm.md.
+WITH_VLLM="${GRAFT_WITH_VLLM:-0}"
+for arg in "$@"; do if [ "$arg" = "--with-vllm" ]; then WITH_VLLM=1; fi; done
+if [ "$WITH_VLLM" = "1" ]; then
+  VLLM_PINS="$(mktemp)"
+  grep -E '^(torch|torchvision|transformers|tokenizers)==' "$CONSTRAINTS" > "$VLLM_PINS"
+  "${PIP[@]}" -c "$VLLM_PINS" --no-deps "vllm==0.33.0"
+  "${PIP[@]}" -c "$VLLM_PINS" -r "$ROOT/scripts/vllm_cpu_requirements.txt"
+  rm -f "$VLLM_PINS"
+  VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
+import torch, transformers, vllm
+from vllm.engine.arg_utils import EngineArgs  # noqa: F401  (the plugin's import surface)
+from vllm.v1.spec_decode.eagle import EagleProposer  # noqa: F401
+print(f"install_cpu: vllm {vllm.__version__} (--no-deps) importable; torch {torch.__version__}, "
+      f"transformers {transformers.__version__}")
+PY
+fi

@@ -4,7 +4,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/install_cpu.sh
+GRAFT_WITH_VLLM="${GRAFT_WITH_VLLM:-1}" bash scripts/install_cpu.sh  # vLLM tests need vLLM
 VENV="${GRAFT_VENV:-$ROOT/.venv}"
 set +e
 "$VENV/bin/python" -m pytest "$@"

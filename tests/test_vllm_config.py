@@ -1,0 +1,164 @@
+"""vLLM 0.33 config side of the plugin: ``speculative_config={"method": "graft", ...}`` on CPU.
+
+Runs vLLM's real `EngineArgs.create_engine_config` on the CPU platform (reference §6) with
+the quick Qwen3 target and EAGLE-3 head; the plugin is found through its
+``vllm.general_plugins`` entry point, exactly as in production. Skipped only when vLLM is
+not importable (scripts/install_cpu.sh installs it with GRAFT_WITH_VLLM=1, which
+scripts/run_tests.sh sets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from typing import get_args
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # CpuPlatform: the CUDA wheel has no GPU here
+pytest.importorskip("vllm", reason="vLLM not installed (GRAFT_WITH_VLLM=1 bash scripts/install_cpu.sh)")
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+
+def _engine_config(models, **spec):
+    sc = {"method": "graft", "model": str(models.draft), "num_speculative_tokens": 3, **spec}
+    return EngineArgs(model=str(models.target), speculative_config=sc, max_model_len=512,
+                      max_num_seqs=4, max_num_batched_tokens=512).create_engine_config()
+
+
+_TARGET: dict = {}
+
+
+def _spec_config(models, omit=(), **spec):
+    """`SpeculativeConfig(**spec)` through its real validator, as `EngineArgs` builds it
+    (engine/arg_utils.py:2100-2139), with the target configs built once per module."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    from vllm_worker.plugin import register
+
+    register()
+    if not _TARGET:
+        _TARGET["target_model_config"] = ModelConfig(model=str(models.target), max_model_len=512)
+        _TARGET["target_parallel_config"] = ParallelConfig()
+    sc = {"method": "graft", "model": str(models.draft), "num_speculative_tokens": 3, **spec}
+    return SpeculativeConfig(**{k: v for k, v in sc.items() if k not in omit}, **_TARGET)
+
+
+@pytest.fixture(scope="module")
+def graft_engine_config(quick_models):
+    return _engine_config(quick_models)
+
+
+def test_graft_engine_config_on_cpu_platform(graft_engine_config, quick_models):
+    from vllm.platforms import current_platform
+
+    cfg = graft_engine_config
+    assert current_platform.is_cpu(), "VLLM_TARGET_DEVICE=cpu must select CpuPlatform"
+    spec = cfg.speculative_config
+    assert spec.method == "eagle3" and spec._graft is True          # aliased, tagged
+    assert spec.use_eagle() and spec.num_speculative_tokens == 3
+    assert spec.draft_model_config.hf_config.architectures == ["LlamaForCausalLMEagle3"]
+    assert type(spec.draft_model_config.hf_config).__name__ == "EAGLEConfig"  # vLLM's rewrap
+    assert str(quick_models.draft) in spec.model
+    assert spec._graft_config.depth == 3                            # GraftConfig depth = K
+    assert spec.disable_padded_drafter_batch is True
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.use_v2_model_runner is False
+    assert any("graft" in f for f in cfg._get_v2_model_runner_unsupported_features())
+    back = pickle.loads(pickle.dumps(cfg)).speculative_config       # engine core gets a pickle
+    assert back._graft is True and back._graft_config == spec._graft_config
+
+
+def test_plain_eagle3_is_untouched(quick_models):
+    cfg = EngineArgs(model=str(quick_models.target), max_model_len=512, speculative_config={
+        "method": "eagle3", "model": str(quick_models.draft), "num_speculative_tokens": 2}).create_engine_config()
+    spec = cfg.speculative_config
+    assert spec.method == "eagle3" and not getattr(spec, "_graft", False)
+    assert spec.disable_padded_drafter_batch is False
+    assert not any("graft" in f for f in cfg._get_v2_model_runner_unsupported_features())
+
+
+def test_graft_settings_from_file_and_environment(quick_models, tmp_path, monkeypatch):
+    path = tmp_path / "graft.yaml"
+    path.write_text("num_draft_tokens: 20\ntopk: 3\ncheckpoints:\n"
+                    "  - {depth: 1, threshold: 0.4, keep: 6}\nretrieval: {suffix_max_depth: 12}\n")
+    monkeypatch.setenv("GRAFT_RETRIEVAL__SUCCESSOR_K", "4")
+    g = _spec_config(quick_models, graft_config=str(path))._graft_config
+    assert (g.num_draft_tokens, g.topk, g.depth) == (20, 3, 3)
+    assert g.checkpoints[0].keep == 6 and g.retrieval.suffix_max_depth == 12
+    assert g.retrieval.successor_k == 4                              # environment over file
+    monkeypatch.setenv("GRAFT_CONFIG", str(path))                    # file named by the env
+    assert _spec_config(quick_models)._graft_config.num_draft_tokens == 20
+
+
+def test_k_defaults_to_graft_depth(quick_models, tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"depth": 5, "num_draft_tokens": 30}))
+    spec = _spec_config(quick_models, omit=("num_speculative_tokens",), graft_config=str(path))
+    assert spec.num_speculative_tokens == 5 and spec._graft_config.depth == 5
+
+
+@pytest.mark.parametrize("content, field", [
+    ({"topk": 1}, "topk"),
+    ({"num_draft_tokens": 1}, "num_draft_tokens"),
+    ({"retrieval": {"suffix_max_match": 20}}, "suffix_max_match"),
+    ({"checkpoints": [{"depth": 9, "threshold": 0.5, "keep": 4}]}, "checkpoints[0].depth"),
+    ({"bogus_knob": 3}, "bogus_knob"),
+    ({"depth": 4}, "depth=4 must equal num_speculative_tokens=3"),
+])
+def test_invalid_graft_settings_name_the_field(quick_models, tmp_path, content, field):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError) as e:
+        _spec_config(quick_models, graft_config=str(path))
+    msg = str(e.value)
+    assert "speculative_config.graft_config" in msg and field in msg, msg
+
+
+def test_invalid_graft_env_names_the_field(quick_models, monkeypatch):
+    monkeypatch.setenv("GRAFT_TOPK", "0")
+    with pytest.raises(ValueError, match=r"(?s)graft_config.*topk"):
+        _spec_config(quick_models)
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
+    ({"rejection_sample_method": "synthetic"}, "rejection_sample_method"),
+    ({"model": None}, "speculative_config.model"),
+    ({"graft_config": "/nonexistent/graft.yaml"}, "No such file"),
+])
+def test_vllm_settings_graft_refuses(quick_models, spec, field):
+    with pytest.raises(ValueError, match=field):
+        _spec_config(quick_models, **spec)
+
+
+def test_graft_config_key_only_with_graft(quick_models):
+    with pytest.raises(ValueError, match="only valid with method='graft'"):
+        _spec_config(quick_models, method="eagle3", graft_config="x.yaml")
+
+
+def test_v2_runner_forced_on_is_refused(quick_models, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner"):
+        _spec_config(quick_models)
+
+
+def test_register_is_idempotent():
+    from vllm.config import SpeculativeConfig
+    from vllm.config.vllm import VllmConfig
+
+    from vllm_worker import plugin
+
+    plugin.register()
+    before = (SpeculativeConfig.__post_init__, VllmConfig._get_v2_model_runner_unsupported_features)
+    plugin._registered = False          # force the patch functions to run again
+    plugin.register()
+    plugin.register()
+    after = (SpeculativeConfig.__post_init__, VllmConfig._get_v2_model_runner_unsupported_features)
+    assert before == after
+    method = SpeculativeConfig.__dataclass_fields__["method"].type
+    literal = next(a for a in get_args(method) if a is not type(None))
+    assert list(get_args(literal)).count("graft") == 1
+    assert not hasattr(SpeculativeConfig.__post_init__.__wrapped__, "__wrapped__")

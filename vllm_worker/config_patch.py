@@ -1,0 +1,212 @@
+"""Teach vLLM 0.33's `SpeculativeConfig` the method ``"graft"``.
+
+vLLM keys EAGLE-3 behaviour (draft KV cache, aux hidden states, block drop, the
+``EAGLEConfig`` rewrap) on the literal method string in ~20 places
+(vllm-0.33-spec-internals.md §4 step 3), so ``"graft"`` is accepted by the validator and
+then *aliased* to ``"eagle3"``; the instance is tagged ``_graft = True`` and carries the
+validated `GraftConfig` as ``_graft_config``. Everything vLLM does for EAGLE-3 stays on.
+
+Patches (all on ``vllm.config.speculative.SpeculativeConfig``, applied once):
+
+1. ``method``: the ``Literal`` annotation (config/speculative.py:74-82, field :419) is
+   widened with ``"graft"``.
+2. New optional field ``graft_config: str | None`` — path to a JSON/YAML `GraftConfig`
+   file. The class forbids extra keys (config/utils.py:71), so the field is added the
+   same way as (1). Settings can also come from ``GRAFT_*`` environment variables
+   (`graft_spec.config.load_config`: file < environment).
+3. ``__post_init__`` (config/speculative.py:1226) is wrapped: for ``"graft"`` it loads and
+   validates the `GraftConfig`, checks the vLLM settings Graft needs (below), sets
+   ``method = "eagle3"``, runs vLLM's own validation, then tags the instance.
+4. ``VllmConfig._get_v2_model_runner_unsupported_features`` (config/vllm.py:3053-3088)
+   reports Graft, so vLLM selects the V1 runner and logs why (config/vllm.py:756-762).
+
+Settings forced or checked for ``"graft"`` (and why):
+
+* ``disable_padded_drafter_batch = True``: the proposer then runs after the runner's
+  bookkeeping (gpu_model_runner.py:4345-4455), so ``input_batch.token_ids_cpu`` already
+  holds this step's accepted tokens, which retrieval must index before proposing.
+  This also turns async scheduling off (config/vllm.py:1663-1664).
+* ``draft_sample_method = "greedy"`` and ``rejection_sample_method = "standard"``: the
+  chain is a deterministic function of the context, so vLLM verifies it with a one-hot q
+  (rejection_sampler.py:896-967) and stays lossless. Other values are refused.
+* ``num_speculative_tokens`` (K) = longest chain = EAGLE draft depth; it defaults to
+  ``GraftConfig.depth``, and a graft file that sets ``depth`` must agree with K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Literal, Optional, get_args
+
+__all__ = ["GRAFT_METHOD", "patch_speculative_config", "graft_config_of", "is_graft"]
+
+GRAFT_METHOD = "graft"
+_PATCHED_FLAG = "_graft_spec_patched"
+logger = logging.getLogger("vllm.graft")  # child of vLLM's logger: same handler and format
+
+
+def is_graft(spec_config: Any) -> bool:
+    """True for a `SpeculativeConfig` built from ``method="graft"`` (survives pickling)."""
+    return bool(getattr(spec_config, "_graft", False))
+
+
+def graft_config_of(spec_config: Any):
+    """The validated `graft_spec.config.GraftConfig` of a graft `SpeculativeConfig`.
+
+    Raises:
+        ValueError: ``spec_config`` was not built from ``method="graft"``.
+    """
+    cfg = getattr(spec_config, "_graft_config", None)
+    if not is_graft(spec_config) or cfg is None:
+        raise ValueError("speculative_config was not built with method='graft'")
+    return cfg
+
+
+def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[int]):
+    """Load + validate the `GraftConfig` for a graft `SpeculativeConfig`.
+
+    Args:
+        path: ``speculative_config["graft_config"]`` (JSON/YAML) or None
+            (``GRAFT_CONFIG`` from the environment is then used, if set).
+        num_speculative_tokens: vLLM's K, or None when the user left it unset.
+    Returns:
+        ``GraftConfig`` whose ``depth`` equals K (K unset -> the config's depth).
+    Raises:
+        ValueError: messages start with ``speculative_config.graft_config`` and name the
+            offending field (pydantic's message is included).
+    """
+    from pydantic import ValidationError
+
+    from graft_spec.config import GraftConfig, load_config
+
+    where = f"speculative_config.graft_config ({path or os.environ.get('GRAFT_CONFIG') or 'GRAFT_* env'})"
+    try:
+        cfg = load_config(file=path)
+        if num_speculative_tokens is not None and cfg.depth != num_speculative_tokens:
+            if "depth" in cfg.model_fields_set:
+                raise ValueError(
+                    f"{where}: depth={cfg.depth} must equal num_speculative_tokens="
+                    f"{num_speculative_tokens} (vLLM verifies one chain of at most K tokens; "
+                    "the EAGLE-3 head drafts K levels)")
+            cfg = GraftConfig.model_validate({**cfg.model_dump(), "depth": num_speculative_tokens})
+    except ValidationError as e:
+        raise ValueError(f"{where} is invalid: {e}") from None
+    except (OSError, ValueError) as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+    return cfg
+
+
+def _check_vllm_settings(cfg: Any) -> None:
+    """Refuse vLLM settings under which the graft chain would be wrong or lossy."""
+    if cfg.model is None:
+        raise ValueError("speculative_config.model is required for method='graft': "
+                         "the path of an EAGLE-3 draft head (LlamaForCausalLMEagle3)")
+    if cfg.draft_sample_method != "greedy":
+        raise ValueError("speculative_config.draft_sample_method must be 'greedy' for method='graft' "
+                         "(grafted/pruned chains have no draft distribution q; vLLM then uses a "
+                         f"one-hot q, which is lossless), got {cfg.draft_sample_method!r}")
+    if cfg.rejection_sample_method != "standard":
+        raise ValueError("speculative_config.rejection_sample_method must be 'standard' for "
+                         f"method='graft' (lossless), got {cfg.rejection_sample_method!r}")
+    if getattr(cfg, "use_heterogeneous_vocab", False):
+        raise ValueError("speculative_config.use_heterogeneous_vocab is not supported with method='graft'")
+    if getattr(cfg, "parallel_drafting", False):
+        raise ValueError("speculative_config.parallel_drafting is not supported with method='graft'")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+        raise ValueError("method='graft' needs the V1 model runner (GraftProposer extends the V1 "
+                         "EagleProposer); unset VLLM_USE_V2_MODEL_RUNNER")
+
+
+def _wrap_post_init(cls: type) -> None:
+    original = cls.__post_init__
+
+    def __post_init__(self) -> None:
+        if self.method != GRAFT_METHOD:
+            if getattr(self, "graft_config", None) is not None:
+                raise ValueError("speculative_config.graft_config is only valid with method='graft' "
+                                 f"(method={self.method!r})")
+            return original(self)
+        gcfg = load_graft_settings(self.graft_config, self.num_speculative_tokens)
+        _check_vllm_settings(self)
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = gcfg.depth
+        if not self.disable_padded_drafter_batch:
+            logger.info("graft: setting disable_padded_drafter_batch=True so the proposer runs after "
+                        "bookkeeping and sees this step's accepted tokens (async scheduling goes off)")
+            self.disable_padded_drafter_batch = True
+        self.method = "eagle3"
+        original(self)
+        if self.method != "eagle3":  # vLLM must not have re-detected another method
+            raise ValueError(f"method='graft' needs an EAGLE-3 draft head; vLLM resolved {self.method!r}")
+        object.__setattr__(self, "_graft", True)
+        object.__setattr__(self, "_graft_config", gcfg)
+        logger.info("graft: speculative method 'graft' = EAGLE-3 draft tree + prune + graft, one chain "
+                    "of <= %d tokens per request (N=%d, topk=%d); using the V1 model runner because "
+                    "GraftProposer extends the V1 EagleProposer and vLLM 0.33 verifies chains only",
+                    self.num_speculative_tokens, gcfg.num_draft_tokens, gcfg.topk)
+
+    __post_init__.__qualname__ = f"{cls.__qualname__}.__post_init__"
+    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
+
+
+def _widen_method(cls: type) -> None:
+    field = cls.__dataclass_fields__["method"]
+    old = field.type
+    literal = next(a for a in get_args(old) if a is not type(None))
+    if GRAFT_METHOD in get_args(literal):
+        return
+    new = Optional[Literal[GRAFT_METHOD, literal]]  # nested Literals flatten
+    field.type = new
+    cls.__annotations__["method"] = new
+    cls.__pydantic_fields__["method"].annotation = new
+
+
+def _add_graft_config_field(cls: type) -> None:
+    if "graft_config" in cls.__dataclass_fields__:
+        return
+    from pydantic.fields import FieldInfo
+
+    ann = Optional[str]
+    f = dataclasses.field(default=None)
+    f.name, f.type = "graft_config", ann
+    f._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+    cls.__dataclass_fields__["graft_config"] = f
+    cls.__annotations__["graft_config"] = ann
+    cls.__pydantic_fields__["graft_config"] = FieldInfo.from_annotated_attribute(ann, None)
+    cls.graft_config = None
+
+
+def _patch_runner_choice() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    if getattr(original, "_graft", False):
+        return
+
+    def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+        out = original(self)
+        if is_graft(self.speculative_config):
+            out.append("speculative method 'graft' (its GraftProposer extends the V1 EagleProposer)")
+        return out
+
+    _get_v2_model_runner_unsupported_features._graft = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
+
+
+def patch_speculative_config() -> None:
+    """Apply patches 1-4 (module docstring). Idempotent; touches only vLLM classes."""
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config.speculative import SpeculativeConfig as cls
+
+    _patch_runner_choice()
+    if cls.__dict__.get(_PATCHED_FLAG):
+        return
+    _wrap_post_init(cls)
+    _widen_method(cls)
+    _add_graft_config_field(cls)
+    rebuild_dataclass(cls, force=True)
+    setattr(cls, _PATCHED_FLAG, True)
