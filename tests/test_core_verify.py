@@ -170,8 +170,10 @@ def decode_joint(verify, dedupe=True, seed=0, processed=False):
     todo = torch.arange(ROWS)
     stats = AcceptanceStats()
     retrieved_hits = 0
+    per_root = build_hybrid(torch.arange(V), draft_q, dedupe)  # trees depend on the root only
     while todo.numel():
-        tree = build_hybrid(root[todo], draft_q, dedupe)
+        r = root[todo]
+        tree = DraftTree(per_root.tokens[r], per_root.parents[r], per_root.logp[r], per_root.source[r])
         if dedupe:
             assert not has_duplicate_siblings(tree.tokens, tree.parents).any()
         probs = node_target_probs(tree, prev[todo], target)
