@@ -114,8 +114,9 @@ def canonical_nodes(h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
         ok = pending & (h.gather(1, cand) == h)
         canon = torch.where(ok, cand, canon)
         pending = pending & ~ok
-        if r + 1 < _DEDUPE_ROUNDS:
-            table.scatter_(1, bucket, u)  # reset only the touched buckets
+        if r + 1 == _DEDUPE_ROUNDS or (h.device.type == "cpu" and not bool(pending.any())):
+            break
+        table.scatter_(1, bucket, u)  # reset only the touched buckets
     return canon, pending
 
 
