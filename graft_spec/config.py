@@ -107,6 +107,10 @@ class RetrievalConfig(BaseModel):
                 f"retrieval.suffix_max_match ({self.suffix_max_match}) must be < "
                 f"retrieval.suffix_max_depth ({self.suffix_max_depth}) so a match leaves room "
                 "for a continuation")
+        if self.suffix_max_nodes < 4 * self.suffix_max_depth:
+            raise ValueError(
+                f"retrieval.suffix_max_nodes ({self.suffix_max_nodes}) must be >= 4 * "
+                f"retrieval.suffix_max_depth ({4 * self.suffix_max_depth})")
         if self.corpus and not self.corpus_path:
             raise ValueError("retrieval.corpus_path is required when retrieval.corpus is true")
         return self

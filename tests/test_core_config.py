@@ -31,6 +31,7 @@ def test_defaults_valid():
     ({"num_draft_tokens": 60, "topk": 2, "depth": 3}, "num_draft_tokens", "topk + (depth-1)*topk^2"),
     ({"retrieval": {"suffix_max_match": 16, "suffix_max_depth": 16}}, "suffix_max_match", "must be <"),
     ({"retrieval": {"corpus": True}}, "corpus_path", "required"),
+    ({"retrieval": {"suffix_max_nodes": 100, "suffix_max_depth": 32}}, "suffix_max_nodes", ">= 4 * "),
     ({"retrieval": {"successor_k": 0}}, "successor_k", "greater than or equal to 1"),
     ({"graft": {"min_score": 1.0}}, "min_score", "less than 1"),
     ({"bogus": 1}, "bogus", "Extra inputs are not permitted"),
