@@ -16,10 +16,30 @@ from typing import get_args
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # CpuPlatform: the CUDA wheel has no GPU here
 pytest.importorskip("vllm", reason="vLLM not installed (GRAFT_WITH_VLLM=1 bash scripts/install_cpu.sh)")
 
+
+def _cpu_platform():
+    """Resolve vLLM's platform as CpuPlatform (reference §6: the CUDA wheel on a GPU-less box
+    is otherwise UnspecifiedPlatform), without leaking VLLM_TARGET_DEVICE into the environment
+    of other tests' subprocesses (SGLang imports vllm when it is installed)."""
+    old = os.environ.get("VLLM_TARGET_DEVICE")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        from vllm.platforms import current_platform
+
+        current_platform.device_type  # noqa: B018  (resolves the lazy platform once)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_TARGET_DEVICE")
+    return current_platform
+
+
+_PLATFORM = _cpu_platform()
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+
+from vllm_worker.config_patch import graft_config_of, is_graft  # noqa: E402
 
 
 def _engine_config(models, **spec):
@@ -52,30 +72,28 @@ def graft_engine_config(quick_models):
 
 
 def test_graft_engine_config_on_cpu_platform(graft_engine_config, quick_models):
-    from vllm.platforms import current_platform
-
     cfg = graft_engine_config
-    assert current_platform.is_cpu(), "VLLM_TARGET_DEVICE=cpu must select CpuPlatform"
+    assert _PLATFORM.is_cpu(), "VLLM_TARGET_DEVICE=cpu must select CpuPlatform"
     spec = cfg.speculative_config
-    assert spec.method == "eagle3" and spec._graft is True          # aliased, tagged
+    assert spec.method == "eagle3" and is_graft(spec)              # aliased, marked
     assert spec.use_eagle() and spec.num_speculative_tokens == 3
     assert spec.draft_model_config.hf_config.architectures == ["LlamaForCausalLMEagle3"]
     assert type(spec.draft_model_config.hf_config).__name__ == "EAGLEConfig"  # vLLM's rewrap
     assert str(quick_models.draft) in spec.model
-    assert spec._graft_config.depth == 3                            # GraftConfig depth = K
+    assert graft_config_of(spec).depth == 3                         # GraftConfig depth = K
     assert spec.disable_padded_drafter_batch is True
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.use_v2_model_runner is False
     assert any("graft" in f for f in cfg._get_v2_model_runner_unsupported_features())
     back = pickle.loads(pickle.dumps(cfg)).speculative_config       # engine core gets a pickle
-    assert back._graft is True and back._graft_config == spec._graft_config
+    assert is_graft(back) and graft_config_of(back) == graft_config_of(spec)
 
 
 def test_plain_eagle3_is_untouched(quick_models):
     cfg = EngineArgs(model=str(quick_models.target), max_model_len=512, speculative_config={
         "method": "eagle3", "model": str(quick_models.draft), "num_speculative_tokens": 2}).create_engine_config()
     spec = cfg.speculative_config
-    assert spec.method == "eagle3" and not getattr(spec, "_graft", False)
+    assert spec.method == "eagle3" and not is_graft(spec)
     assert spec.disable_padded_drafter_batch is False
     assert not any("graft" in f for f in cfg._get_v2_model_runner_unsupported_features())
 
@@ -85,19 +103,31 @@ def test_graft_settings_from_file_and_environment(quick_models, tmp_path, monkey
     path.write_text("num_draft_tokens: 20\ntopk: 3\ncheckpoints:\n"
                     "  - {depth: 1, threshold: 0.4, keep: 6}\nretrieval: {suffix_max_depth: 12}\n")
     monkeypatch.setenv("GRAFT_RETRIEVAL__SUCCESSOR_K", "4")
-    g = _spec_config(quick_models, graft_config=str(path))._graft_config
+    g = graft_config_of(_spec_config(quick_models, graft_config=str(path)))
     assert (g.num_draft_tokens, g.topk, g.depth) == (20, 3, 3)
     assert g.checkpoints[0].keep == 6 and g.retrieval.suffix_max_depth == 12
     assert g.retrieval.successor_k == 4                              # environment over file
     monkeypatch.setenv("GRAFT_CONFIG", str(path))                    # file named by the env
-    assert _spec_config(quick_models)._graft_config.num_draft_tokens == 20
+    assert graft_config_of(_spec_config(quick_models)).num_draft_tokens == 20
+
+
+def test_inline_json_config_and_rebuild_from_resolved_config(quick_models, monkeypatch):
+    monkeypatch.setenv("GRAFT_TOPK", "5")                        # ignored by inline JSON
+    spec = _spec_config(quick_models, graft_config='{"topk": 3, "num_draft_tokens": 14}')
+    g = graft_config_of(spec)
+    assert (g.topk, g.num_draft_tokens, g.depth) == (3, 14, 3)
+    # the resolved config stays in the field: rebuilding the config from its fields
+    # (method is now "eagle3") gives the same graft config, whatever the environment says
+    monkeypatch.setenv("GRAFT_TOPK", "6")
+    again = _spec_config(quick_models, method=spec.method, graft_config=spec.graft_config)
+    assert is_graft(again) and graft_config_of(again) == g
 
 
 def test_k_defaults_to_graft_depth(quick_models, tmp_path):
     path = tmp_path / "g.json"
     path.write_text(json.dumps({"depth": 5, "num_draft_tokens": 30}))
     spec = _spec_config(quick_models, omit=("num_speculative_tokens",), graft_config=str(path))
-    assert spec.num_speculative_tokens == 5 and spec._graft_config.depth == 5
+    assert spec.num_speculative_tokens == 5 and graft_config_of(spec).depth == 5
 
 
 @pytest.mark.parametrize("content, field", [

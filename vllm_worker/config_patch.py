@@ -3,20 +3,25 @@
 vLLM keys EAGLE-3 behaviour (draft KV cache, aux hidden states, block drop, the
 ``EAGLEConfig`` rewrap) on the literal method string in ~20 places
 (vllm-0.33-spec-internals.md §4 step 3), so ``"graft"`` is accepted by the validator and
-then *aliased* to ``"eagle3"``; the instance is tagged ``_graft = True`` and carries the
-validated `GraftConfig` as ``_graft_config``. Everything vLLM does for EAGLE-3 stays on.
+then *aliased* to ``"eagle3"``; the validated `GraftConfig` is kept in the new
+``graft_config`` field as inline JSON, which is what marks the config as Graft
+(`is_graft`, `graft_config_of`). Everything vLLM does for EAGLE-3 stays on.
 
 Patches (all on ``vllm.config.speculative.SpeculativeConfig``, applied once):
 
 1. ``method``: the ``Literal`` annotation (config/speculative.py:74-82, field :419) is
    widened with ``"graft"``.
 2. New optional field ``graft_config: str | None`` — path to a JSON/YAML `GraftConfig`
-   file. The class forbids extra keys (config/utils.py:71), so the field is added the
-   same way as (1). Settings can also come from ``GRAFT_*`` environment variables
-   (`graft_spec.config.load_config`: file < environment).
+   file, or an inline JSON object. The class forbids extra keys (config/utils.py:71), so
+   the field is added the same way as (1). Settings can also come from ``GRAFT_*``
+   environment variables (`graft_spec.config.load_config`: file < environment; an inline
+   JSON object is used on its own).
+   After validation the field holds the resolved config as inline JSON: that marks the
+   config as Graft without private attributes, and a config rebuilt from its fields
+   (``method="eagle3"`` + that JSON) is the same graft config.
 3. ``__post_init__`` (config/speculative.py:1226) is wrapped: for ``"graft"`` it loads and
    validates the `GraftConfig`, checks the vLLM settings Graft needs (below), sets
-   ``method = "eagle3"``, runs vLLM's own validation, then tags the instance.
+   ``method = "eagle3"``, runs vLLM's own validation, then stores the resolved config.
 4. ``VllmConfig._get_v2_model_runner_unsupported_features`` (config/vllm.py:3053-3088)
    reports Graft, so vLLM selects the V1 runner and logs why (config/vllm.py:756-762).
 
@@ -36,6 +41,7 @@ Settings forced or checked for ``"graft"`` (and why):
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any, Literal, Optional, get_args
@@ -48,8 +54,13 @@ logger = logging.getLogger("vllm.graft")  # child of vLLM's logger: same handler
 
 
 def is_graft(spec_config: Any) -> bool:
-    """True for a `SpeculativeConfig` built from ``method="graft"`` (survives pickling)."""
-    return bool(getattr(spec_config, "_graft", False))
+    """True for a `SpeculativeConfig` built from ``method="graft"``.
+
+    The mark is the config's own state (``method == "eagle3"`` and ``graft_config`` holding
+    the resolved inline JSON), not a private attribute, so it survives pickling to the
+    engine core and anything that rebuilds the config from its fields.
+    """
+    return getattr(spec_config, "method", None) == "eagle3" and _is_inline(getattr(spec_config, "graft_config", None))
 
 
 def graft_config_of(spec_config: Any):
@@ -58,18 +69,20 @@ def graft_config_of(spec_config: Any):
     Raises:
         ValueError: ``spec_config`` was not built from ``method="graft"``.
     """
-    cfg = getattr(spec_config, "_graft_config", None)
-    if not is_graft(spec_config) or cfg is None:
+    if not is_graft(spec_config):
         raise ValueError("speculative_config was not built with method='graft'")
-    return cfg
+    from graft_spec.config import GraftConfig
+
+    return GraftConfig.model_validate_json(spec_config.graft_config)
 
 
 def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[int]):
     """Load + validate the `GraftConfig` for a graft `SpeculativeConfig`.
 
     Args:
-        path: ``speculative_config["graft_config"]`` (JSON/YAML) or None
-            (``GRAFT_CONFIG`` from the environment is then used, if set).
+        path: ``speculative_config["graft_config"]``: a JSON/YAML file, an inline JSON
+            object (``'{"topk": 3}'``, used on its own, no environment), or None
+            (``GRAFT_CONFIG`` and ``GRAFT_*`` from the environment are then used).
         num_speculative_tokens: vLLM's K, or None when the user left it unset.
     Returns:
         ``GraftConfig`` whose ``depth`` equals K (K unset -> the config's depth).
@@ -81,9 +94,11 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
 
     from graft_spec.config import GraftConfig, load_config
 
-    where = f"speculative_config.graft_config ({path or os.environ.get('GRAFT_CONFIG') or 'GRAFT_* env'})"
+    inline = _is_inline(path)
+    src = "inline JSON" if inline else (path or os.environ.get("GRAFT_CONFIG") or "GRAFT_* env")
+    where = f"speculative_config.graft_config ({src})"
     try:
-        cfg = load_config(file=path)
+        cfg = load_config(overrides=json.loads(path), env=False) if inline else load_config(file=path)
         if num_speculative_tokens is not None and cfg.depth != num_speculative_tokens:
             if "depth" in cfg.model_fields_set:
                 raise ValueError(
@@ -97,6 +112,10 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
         msg = str(e)
         raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
     return cfg
+
+
+def _is_inline(value: Optional[str]) -> bool:
+    return isinstance(value, str) and value.lstrip().startswith("{")
 
 
 def _check_vllm_settings(cfg: Any) -> None:
@@ -124,7 +143,8 @@ def _wrap_post_init(cls: type) -> None:
     original = cls.__post_init__
 
     def __post_init__(self) -> None:
-        if self.method != GRAFT_METHOD:
+        replayed = self.method == "eagle3" and _is_inline(getattr(self, "graft_config", None))
+        if self.method != GRAFT_METHOD and not replayed:
             if getattr(self, "graft_config", None) is not None:
                 raise ValueError("speculative_config.graft_config is only valid with method='graft' "
                                  f"(method={self.method!r})")
@@ -141,8 +161,7 @@ def _wrap_post_init(cls: type) -> None:
         original(self)
         if self.method != "eagle3":  # vLLM must not have re-detected another method
             raise ValueError(f"method='graft' needs an EAGLE-3 draft head; vLLM resolved {self.method!r}")
-        object.__setattr__(self, "_graft", True)
-        object.__setattr__(self, "_graft_config", gcfg)
+        self.graft_config = gcfg.model_dump_json()  # the mark read by is_graft / graft_config_of
         logger.info("graft: speculative method 'graft' = EAGLE-3 draft tree + prune + graft, one chain "
                     "of <= %d tokens per request (N=%d, topk=%d); using the V1 model runner because "
                     "GraftProposer extends the V1 EagleProposer and vLLM 0.33 verifies chains only",
