@@ -63,6 +63,7 @@ class GraftStep:
 
     @property
     def num_levels(self) -> int:
+        """Draft passes recorded since `begin`."""
         return len(self._levels)
 
     def finish(self, root_tokens: torch.Tensor, req_ids: Sequence[str], token_ids: np.ndarray,
