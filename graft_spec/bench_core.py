@@ -96,7 +96,7 @@ def bench_one(batch: int, n: int, steps: int, vocab: int, seed: int = 0) -> dict
         prompt = s.take(512)
         planner.start_request(r, prompt)
         roots.append(prompt[-1])
-    t_plan, t_ext, t_obs, t_rr, t_der, c_plan = [], [], [], [], [], []
+    t_plan, t_ext, t_obs, t_rr, t_der, c_plan, c_ext = [], [], [], [], [], [], []
     stage_counts: dict[int, int] = {}
     retrieved = 0
     warm = 3
@@ -119,8 +119,10 @@ def bench_one(batch: int, n: int, steps: int, vocab: int, seed: int = 0) -> dict
         t4 = time.perf_counter()
         new = [s.take(rng.randint(1, 4)) for s in streams]
         t5 = time.perf_counter()
+        c5 = time.thread_time()
         for r, toks in zip(req, new):
             planner.extend(r, toks)
+        c6 = time.thread_time()
         t6 = time.perf_counter()
         roots = [toks[-1] for toks in new]
         if step >= warm:
@@ -130,6 +132,7 @@ def bench_one(batch: int, n: int, steps: int, vocab: int, seed: int = 0) -> dict
             t_der.append(t3 - t2)
             t_obs.append(t4 - t3)
             t_ext.append(t6 - t5)
+            c_ext.append(c6 - c5)
             for s in planner.last_info.prune.stage.tolist():
                 stage_counts[s] = stage_counts.get(s, 0) + 1
             retrieved += int((tree.source == 1).sum())
@@ -140,7 +143,9 @@ def bench_one(batch: int, n: int, steps: int, vocab: int, seed: int = 0) -> dict
         "plan_us_min": round(1e6 * min(t_plan) / batch, 2),
         "plan_cpu_us": round(per(c_plan), 2),
         "extend_us": round(per(t_ext), 2),
+        "extend_cpu_us": round(per(c_ext), 2),
         "plan_plus_extend_us": round(per(t_plan) + per(t_ext), 2),
+        "plan_plus_extend_cpu_us": round(per(c_plan) + per(c_ext), 2),
         "observe_us": round(per(t_obs), 2),
         "rerank_us": round(per(t_rr), 2),
         "derive_us": round(per(t_der), 2),

@@ -88,8 +88,8 @@ class RetrievalConfig(BaseModel):
     successor_rank_decay: float = Field(default=0.5, gt=0.0, lt=1.0)
 
     suffix: bool = True
-    suffix_max_depth: int = Field(default=16, ge=2, le=128)
-    suffix_max_match: int = Field(default=8, ge=1, le=127)
+    suffix_max_depth: int = Field(default=12, ge=2, le=128)
+    suffix_max_match: int = Field(default=6, ge=1, le=127)
     suffix_min_prob: float = Field(default=0.1, ge=0.0, lt=1.0)
     suffix_max_nodes: int = Field(default=200_000, ge=64)
 

@@ -91,43 +91,97 @@ def test_successor_prompt_warm_start():
 
 # ----------------------------------------------------------------------------- counting trie
 
-@settings(max_examples=30, deadline=None)
-@given(seq=st.lists(st.integers(0, 3), min_size=1, max_size=60), depth=st.integers(2, 6))
-def test_trie_counts_equal_substring_counts(seq, depth):
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=50), min_size=1, max_size=3),
+       depth=st.integers(2, 6), chunk=st.integers(1, 7))
+def test_trie_counts_equal_substring_counts(seqs, depth, chunk):
+    """Lazy storage keeps exact counts: every substring's count equals brute force."""
     t = CountTrie(depth)
-    t.extend(seq)
+    for seq in seqs:
+        t.reset_stream()
+        for i in range(0, len(seq), chunk):
+            t.extend(seq[i:i + chunk])
     for n in range(1, depth + 1):
-        counts = Counter(tuple(seq[i:i + n]) for i in range(len(seq) - n + 1))
+        counts = Counter(tuple(seq[i:i + n]) for seq in seqs for i in range(len(seq) - n + 1))
         for sub, cnt in counts.items():
-            node = t.lookup(sub)
-            assert node >= 0 and t._count[node] == cnt
-    assert t.lookup([9]) == -1
-    # longest match == brute force: longest suffix (<= depth-1) that occurs followed by a token
+            loc = t.locate(sub)
+            assert loc is not None and t.count(loc) == cnt, (sub, cnt)
+        for sub in [(3, 3, 3, 3, 3, 3)[:n], (0, 1, 2, 3, 0, 1)[:n]]:
+            if sub not in counts:
+                assert t.locate(sub) is None
+    seq = seqs[-1]
+    # longest match == brute force over the last stream, and the first-level continuation
+    # tokens / ratios equal the empirical next-token counts of that suffix
     for max_len in (1, 3, depth - 1):
-        node, length = t.longest_match(seq, max_len)
+        loc, length = t.longest_match(seq, max_len)
         best = 0
         for n in range(1, min(max_len, depth - 1, len(seq)) + 1):
             suf = seq[len(seq) - n:]
-            if any(seq[i:i + n] == suf for i in range(len(seq) - n)):
+            if any(s[i:i + n] == suf for s in seqs for i in range(len(s) - n)):
                 best = n
         assert length == best
-        if best:
-            assert t.active_match(max_len) == (node, length)
+        if not best:
+            continue
+        assert t.active_match(max_len) == (loc, length)
+        suf = seq[len(seq) - best:]
+        nxt = Counter(s[i + best] for s in seqs for i in range(len(s) - best) if s[i:i + best] == suf)
+        occ = sum(1 for s in seqs for i in range(len(s) - best + 1) if s[i:i + best] == suf)
+        toks, pars, scores = t.expand(loc, 100, 0.0)
+        first = {tk: sc for tk, p, sc in zip(toks, pars, scores) if p == -1}
+        assert first == pytest.approx({x: c / occ for x, c in nxt.items()})
+        assert all(p < i for i, p in enumerate(pars))
+        assert all(scores[i] <= scores[pars[i]] + 1e-12 for i in range(len(toks)) if pars[i] >= 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=30), min_size=1, max_size=3),
+       depth=st.integers(2, 6))
+def test_trie_continuation_tree_is_exact(seqs, depth):
+    """expand() returns every continuation path w of a substring with score count(sub+w)/count(sub)."""
+    t = CountTrie(depth)
+    for seq in seqs:
+        t.reset_stream()
+        t.extend(seq)
+    cnt = Counter(tuple(s[i:j]) for s in seqs for i in range(len(s)) for j in range(i + 1, min(len(s), i + depth) + 1))
+    for sub in cnt:
+        if len(sub) >= depth:
+            continue
+        toks, pars, scores = t.expand(t.locate(sub), 10_000, 0.0)
+        got = {}
+        for i in range(len(toks)):
+            w, j = [], i
+            while j >= 0:
+                w.append(toks[j])
+                j = pars[j]
+            got[sub + tuple(w[::-1])] = scores[i]
+        want = {k: v / cnt[sub] for k, v in cnt.items() if len(k) > len(sub) and k[:len(sub)] == sub}
+        assert got == pytest.approx(want)
+
+
+def test_trie_novel_tokens_cost_one_node_each():
+    t = CountTrie(12)
+    t.extend(list(range(1000)))
+    assert t.num_nodes == 1001  # root + one node per distinct token, no deep chains
+    t.extend([5, 6, 7])        # "5 6 7" repeats: explicit nodes appear along the match
+    loc = t.locate([5, 6, 7])
+    assert t.count(loc) == 2 and loc[1] == -1
+    toks, _, _ = t.expand(t.active_match(3)[0], 4, 0.0)
+    assert toks == [8, 9, 10, 11]  # continuation read lazily from the first occurrence
 
 
 def test_trie_expand_scores_and_order():
     t = CountTrie(4)
     t.extend([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
-    node, length = t.longest_match([1, 2], 2)
+    loc, length = t.longest_match([1, 2], 2)
     assert length == 2
-    toks, pars, scores = t.expand(node, 10, 0.0)
+    toks, pars, scores = t.expand(loc, 10, 0.0)
     # after "1 2": 3 twice, 4 once, out of count("1 2") = 4 occurrences; "1 2 3" is always
     # followed by 1, so that grandchild (score 0.5 * 1.0) comes before the child 4 (0.25)
     assert toks[:3] == [3, 1, 4] and pars[:3] == [-1, 0, -1]
     assert scores[:3] == pytest.approx([2 / 4, 2 / 4, 1 / 4])
     assert all(scores[i] <= scores[pars[i]] for i in range(len(toks)) if pars[i] >= 0)
     assert all(p < i for i, p in enumerate(pars))
-    toks2, _, _ = t.expand(node, 10, 0.3)
+    toks2, _, _ = t.expand(loc, 10, 0.3)
     assert toks2 == [3, 1]  # 4 (0.25) is pruned by min_prob
 
 

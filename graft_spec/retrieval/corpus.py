@@ -150,6 +150,6 @@ class CorpusIndex(RetrievalSource):
             ctx = list(tail)
             if not ctx or ctx[-1] != root:
                 ctx = ctx[1:] + [int(root)] if len(ctx) == self.max_match else ctx + [int(root)]
-            node, _ = self.trie.longest_match(ctx, self.max_match)
-            rows.append(self.trie.expand(node, cap, self.min_prob) if node >= 0 else None)
+            loc, _ = self.trie.longest_match(ctx, self.max_match)
+            rows.append(self.trie.expand(loc, cap, self.min_prob) if loc is not None else None)
         return Candidates.from_lists(rows, self.device)

@@ -7,11 +7,11 @@ occurred earlier *with a continuation* is the match, found by scanning at most
 ``max_match`` live nodes (O(match) per step, no walk). The continuation subtree is
 expanded best-first by count ratios (`CountTrie.expand`).
 
-Memory bound and eviction: a request's trie holds at most ``max_nodes`` nodes (+ one
-append). When an append crosses the cap, the trie is rebuilt from the most recent
-``max_nodes // (2 * max_depth)`` tokens (older context is forgotten, newest kept), so
-the rebuild cost amortises to O(max_depth) per token; the token history kept for
-rebuilding is trimmed to ``max_nodes // max_depth`` tokens. ``stop`` frees everything.
+Memory bound and eviction: a request's trie holds at most ``max_nodes`` nodes and
+``max_nodes`` history tokens (+ one append). When an append crosses either cap, the
+trie is rebuilt from the most recent ``max_nodes // (2 * max_depth)`` tokens (older
+context is forgotten, newest kept), so the rebuild cost amortises to O(max_depth) per
+token. ``stop`` frees everything.
 
 Reference: ArcticInference suffix decoding (per-request tree over prompt + output,
 count-ratio scores, min_token_prob pruning) — docs/suffix-decoding.rst.
@@ -19,22 +19,21 @@ count-ratio scores, min_token_prob pruning) — docs/suffix-decoding.rst.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
 from .base import Candidates, RetrievalSource
-from .trie import CountTrie
+from .trie import CountTrie, Loc
 
 __all__ = ["SuffixIndex"]
 
 
 class _Req:
-    __slots__ = ("trie", "history", "last")
+    __slots__ = ("trie", "last")
 
     def __init__(self, depth: int):
         self.trie = CountTrie(depth)
-        self.history: list[int] = []
         self.last = -1
 
 
@@ -73,21 +72,16 @@ class SuffixIndex(RetrievalSource):
         st = self._reqs.get(req_id)
         if st is None or len(new_tokens) == 0:
             return
-        toks = [int(t) for t in new_tokens]
-        st.trie.extend(toks)
-        st.history.extend(toks)
-        st.last = toks[-1]
-        keep_hist = self.max_nodes // self.max_depth
-        if len(st.history) > 2 * keep_hist:
-            del st.history[: len(st.history) - keep_hist]
-        if st.trie.num_nodes > self.max_nodes:
+        st.trie.extend(new_tokens)
+        st.last = int(new_tokens[-1])
+        if st.trie.num_nodes > self.max_nodes or len(st.trie.hist) > self.max_nodes:
             self._rebuild(st)
 
     def _rebuild(self, st: _Req) -> None:
         keep = max(2, self.max_nodes // (2 * self.max_depth))
-        st.history = st.history[-keep:]
+        recent = st.trie.hist[-keep:]
         st.trie = CountTrie(self.max_depth)
-        st.trie.extend(st.history)
+        st.trie.extend(recent)
         self.rebuilds += 1
 
     def stop(self, req_id: Hashable) -> None:
@@ -97,21 +91,22 @@ class SuffixIndex(RetrievalSource):
         return len(self._reqs)
 
     def memory_bytes(self) -> int:
-        return sum(st.trie.memory_bytes() + 8 * len(st.history) + 64 for st in self._reqs.values())
+        return sum(st.trie.memory_bytes() + 64 for st in self._reqs.values())
 
     def num_nodes(self, req_id: Hashable) -> int:
         """Trie nodes held for ``req_id`` (0 if unknown)."""
         st = self._reqs.get(req_id)
         return st.trie.num_nodes if st else 0
 
-    def match(self, req_id: Hashable, root: int) -> tuple[int, int]:
-        """``(trie node, match length)`` for the request's context ending in ``root``."""
+    def match(self, req_id: Hashable, root: int) -> tuple[Optional[Loc], int]:
+        """``(trie location, match length)`` for the request's context ending in ``root``."""
         st = self._reqs.get(req_id)
         if st is None:
-            return -1, 0
+            return None, 0
         if st.last == root:
             return st.trie.active_match(self.max_match)
-        tail = st.history[-(self.max_match - 1):] + [root] if self.max_match > 1 else [root]
+        hist = st.trie.hist
+        tail = hist[len(hist) - (self.max_match - 1):] + [root] if self.max_match > 1 else [root]
         return st.trie.longest_match(tail, self.max_match)
 
     def propose(self, req_ids: Sequence[Hashable], root_tokens: torch.Tensor, budget: int) -> Candidates:
@@ -123,7 +118,6 @@ class SuffixIndex(RetrievalSource):
         roots = root_tokens.reshape(-1).tolist()
         rows = []
         for rid, root in zip(req_ids, roots):
-            node, _ = self.match(rid, int(root))
-            st = self._reqs.get(rid)
-            rows.append(st.trie.expand(node, cap, self.min_prob) if node >= 0 else None)
+            loc, _ = self.match(rid, int(root))
+            rows.append(self._reqs[rid].trie.expand(loc, cap, self.min_prob) if loc is not None else None)
         return Candidates.from_lists(rows, self.device)
