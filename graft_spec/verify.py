@@ -67,8 +67,9 @@ class VerifyResult:
 def _finish(on_path: torch.Tensor, bonus: torch.Tensor, source: Optional[torch.Tensor]) -> VerifyResult:
     b, n = on_path.shape
     ar = torch.arange(n, device=on_path.device)
-    srt = torch.where(on_path, ar, n).sort(dim=1).values
-    accept_index = torch.where(srt == n, -1, srt)
+    dest = torch.where(on_path, torch.cumsum(on_path, dim=1) - 1, n)   # path nodes, in index order
+    accept_index = torch.full((b, n + 1), -1, dtype=torch.int64, device=on_path.device)
+    accept_index = accept_index.scatter_(1, dest, ar.expand(b, n))[:, :n]
     accept_length = on_path.sum(dim=1)
     by_src = torch.zeros(b, NUM_SOURCES, dtype=torch.int64, device=on_path.device)
     if source is not None:
