@@ -80,7 +80,9 @@ class SuccessorMatrix(RetrievalSource):
         if vocab_size < 2 or k < 1 or template_size < 1:
             raise ValueError("SuccessorMatrix: vocab_size >= 2, k >= 1, template_size >= 1 required")
         self.vocab_size, self.k, self.device = vocab_size, k, torch.device(device)
-        self.table = torch.full((vocab_size, k), -1, dtype=torch.int32, device=self.device)
+        # one extra all -1 row (index V) so lookups from an empty parent need no masking
+        self._table = torch.full((vocab_size + 1, k), -1, dtype=torch.int32, device=self.device)
+        self.table = self._table[:vocab_size]  #: ``int32[V, k]`` view, -1 = empty
         self.prior_rates = torch.tensor([prior * decay ** r for r in range(k)], device=self.device)
         self.hits = torch.zeros(k, device=self.device)
         self.trials = torch.zeros(k, device=self.device)
@@ -143,7 +145,7 @@ class SuccessorMatrix(RetrievalSource):
         return len(self._live)
 
     def memory_bytes(self) -> int:
-        return self.table.numel() * self.table.element_size() + self.t_counts.numel() * 4
+        return self._table.numel() * self._table.element_size() + self.t_counts.numel() * 4
 
     # ------------------------------------------------------------------ proposal
     def _level_plan(self, size: int):
@@ -167,13 +169,14 @@ class SuccessorMatrix(RetrievalSource):
         size = min(budget, self.t_parent.shape[0])
         if size <= 0:
             return Candidates.empty(b, self.device)
-        root = root_tokens.to(self.device, torch.int64).reshape(b)
+        v, k = self.vocab_size, self.k
+        root = root_tokens.to(self.device, torch.int64).reshape(b, 1)
+        root = torch.where((root < 0) | (root >= v), v, root)
+        flat = self._table.view(-1)
         toks = torch.full((b, size), -1, dtype=torch.int64, device=self.device)
         for d, (idx, par, rk) in enumerate(self._level_plan(size)):
-            ptok = root[:, None].expand(b, idx.shape[0]) if d == 0 else toks[:, par]
-            okp = (ptok >= 0) & (ptok < self.vocab_size)
-            val = self.table[ptok.clamp(0, self.vocab_size - 1), rk[None, :].expand_as(ptok)].to(torch.int64)
-            toks[:, idx] = torch.where(okp, val, -1)
+            ptok = root if d == 0 else torch.where(toks[:, par] < 0, v, toks[:, par])
+            toks[:, idx] = flat[ptok * k + rk].to(torch.int64)   # rows of empty parents are -1
         valid = toks >= 0
         score = torch.exp(self.t_counts[:size] @ torch.log(self.rates()))
         return Candidates(tokens=toks.clamp(min=0), parents=self.t_parent[:size].expand(b, size),
