@@ -71,7 +71,7 @@ with set_current_vllm_config(cfg):
     from vllm import SamplingParams
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
-    from vllm_worker.chain import best_chain
+    from graft_spec.chain import best_chain
 
     def fake_loop(self, num_speculative_tokens, target_token_ids, target_positions,
                   target_hidden_states, next_token_ids, *a, **kw):

@@ -22,7 +22,7 @@ from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.tree import DraftTree
 
-from .chain import best_chain, spine_tree
+from graft_spec.chain import best_chain, spine_tree
 from .requests import RequestTracker
 
 __all__ = ["GraftStep"]

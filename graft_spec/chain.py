@@ -1,12 +1,8 @@
-"""Tree <-> chain helpers for vLLM 0.33, which verifies one chain per request.
+"""Tree <-> chain helpers for engines whose verifier takes one chain per request (vLLM 0.33).
 
-TEMPORARY HOME — both functions are engine-agnostic tree math and should move to
-``graft_spec`` (``spine_tree`` next to `graft_spec.tree.eagle_rerank`, ``best_chain``
-next to `graft_spec.verify`); they live here until the core exposes them.
-
-* `spine_tree`: vLLM's EAGLE loop (llm_base_proposer.py:511-773, loop at :688) expands only the top-1
-  token per depth (no tree attention in 0.33, see docs/vllm.md), but every depth's
-  logits give the top-k siblings of that token. The resulting "spine" tree is a valid
+* `spine_tree`: an EAGLE loop that expands only the top-1 token per depth (vLLM 0.33,
+  llm_base_proposer.py:511-773, loop at :688; no tree attention, see docs/vllm.md) still sees at
+  every depth the logits that give the top-k siblings of that token. The resulting "spine" tree is a valid
   EAGLE draft tree: depth d holds the k best children of the depth d-1 spine node.
 * `best_chain`: the root-to-node path with the highest expected accepted length.
   With one-hot draft probabilities a chain's token at depth d is accepted iff every
@@ -21,8 +17,7 @@ import math
 
 import torch
 
-from graft_spec.tree import SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, node_paths
-from graft_spec.tree import path_min
+from .tree import SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, node_paths, path_min
 
 __all__ = ["spine_tree", "best_chain"]
 

@@ -1,4 +1,4 @@
-"""Tree -> chain logic of the vLLM adapter (vllm_worker/chain.py), on CPU tensors.
+"""Tree -> chain logic of the vLLM adapter (graft_spec/chain.py), on CPU tensors.
 
 No vLLM needed: these are the pure functions the proposer applies after vLLM's EAGLE loop.
 Expected values are recomputed independently (plain Python walks over the parents array,
@@ -16,7 +16,7 @@ import torch
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.tree import SOURCE_RETRIEVED
-from vllm_worker.chain import best_chain, spine_tree
+from graft_spec.chain import best_chain, spine_tree
 
 
 def _path(parents: list[int], v: int) -> list[int]:
