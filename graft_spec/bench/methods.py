@@ -79,6 +79,8 @@ class MethodSpec:
                 from graft_spec.config import GraftConfig
 
                 cfg = GraftConfig.from_file(self.base_graft_config).model_dump()
+                for shape in ("num_draft_tokens", "topk", "depth"):  # the SGLang flags above set them
+                    cfg.pop(shape)
             _deep_merge(cfg, self.graft_overrides)
             path = work_dir / f"{self.label}.json"
             path.write_text(json.dumps(cfg, indent=2))
