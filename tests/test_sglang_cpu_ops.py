@@ -243,6 +243,39 @@ def test_parents_from_links_roundtrip_and_unreachable():
         tree_ops.parents_from_links(nt, ns)
 
 
+def random_parents(gen, n):
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def test_reconstruct_from_mask_matches_reference():
+    """NGRAM metadata from an ancestor mask, against the documented semantics
+    (reconstruct_tree.py:21-30) evaluated with loops."""
+    gen = torch.Generator().manual_seed(13)
+    bs, n = 3, 9
+    par = [random_parents(gen, n) for _ in range(bs)]
+    anc = torch.zeros(bs, n, n, dtype=torch.bool)
+    for b in range(bs):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                anc[b, i, j] = True
+                j = par[b][j]
+    seq = torch.tensor([4, 0, 17])
+    pos = torch.empty(bs * n, dtype=torch.long)
+    idx, nt, ns = torch.full((3, bs, n), -1, dtype=torch.long)
+    tree_ops.reconstruct_indices_from_tree_mask_func(anc.flatten(), seq, pos, idx, nt, ns, bs, n)
+    for b in range(bs):
+        for t in range(n):
+            strict = [j for j in range(t) if anc[b, t, j]]
+            assert int(pos[b * n + t]) == len(strict) + int(seq[b])
+            assert int(idx[b, t]) == b * n + t
+            kids = [k for k in range(t + 1, n) if anc[b, k, t]]
+            assert int(nt[b, t]) == (kids[0] if kids else -1)
+            p = max(strict) if strict else -1
+            sibs = [k for k in range(t + 1, n) if p >= 0 and par[b][k] == p]
+            assert int(ns[b, t]) == (sibs[0] if sibs else -1)
+
+
 # --------------------------------------------------------------------------- target-only sampling
 
 
@@ -642,11 +675,14 @@ def test_hook_targets_exist_with_matching_signatures():
 
     from sglang.srt.plugins.hook_registry import HookType
 
-    from sglang_patch.cpu.hooks import HOOKS
+    from sglang_patch.cpu import _stand_in_unimportable_modules
+    from sglang_patch.cpu.hooks import HOOKS, OVERLAP_HOOK
 
-    targets = [t for t, _, _ in HOOKS]
+    _stand_in_unimportable_modules()
+    table = HOOKS + [OVERLAP_HOOK]
+    targets = [t for t, _, _ in table]
     assert len(targets) == len(set(targets))
-    for target, kind, fn in HOOKS:
+    for target, kind, fn in table:
         owner, attr = target.rsplit(".", 1)
         orig = getattr(pkgutil.resolve_name(owner), attr)
         assert callable(orig), target
@@ -654,6 +690,15 @@ def test_hook_targets_exist_with_matching_signatures():
             want = [p for p in inspect.signature(orig).parameters if p != "self"]
             have = list(inspect.signature(fn).parameters)
             assert have[: len(want)] == want, (target, want, have)
+
+
+def test_overlap_hook_is_opt_in(monkeypatch):
+    from sglang_patch.cpu.hooks import HOOKS, OVERLAP_HOOK, hook_table
+
+    monkeypatch.delenv("GRAFT_SGLANG_CPU_OVERLAP", raising=False)
+    assert hook_table() == HOOKS
+    monkeypatch.setenv("GRAFT_SGLANG_CPU_OVERLAP", "1")
+    assert hook_table() == HOOKS + [OVERLAP_HOOK]
 
 
 def test_switch_env_override(monkeypatch):
@@ -671,6 +716,17 @@ def test_switch_env_override(monkeypatch):
 
 
 # --------------------------------------------------------------------------- SGLang's own kernels
+
+def _anc_of(par):
+    n = len(par)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = par[j]
+    return anc
+
 
 _TRITON_CHECK = textwrap.dedent(r"""
     import json, sys, torch
@@ -696,16 +752,32 @@ _TRITON_CHECK = textwrap.dedent(r"""
         spec_tree.verify_tree_greedy_triton(pred, acc, num, cand, idx, nt, ns, tgt)
         out.append(dict(mask=mask.tolist(), pos=pos.tolist(), nt=nt.tolist(), ns=ns.tolist(),
                         pred=pred.tolist(), acc=acc.tolist(), num=num.tolist()))
+    # reconstruct_tree.py imports sgl_kernel.speculative at import time: stub it (test only).
+    import types
+    stub = types.ModuleType("sgl_kernel.speculative")
+    stub.reconstruct_indices_from_tree_mask = None
+    sys.modules["sgl_kernel"] = types.ModuleType("sgl_kernel")
+    sys.modules["sgl_kernel.speculative"] = stub
+    from sglang.kernels.ops.speculative import reconstruct_tree
+    rec = []
+    for m in json.loads(sys.argv[1]):
+        mask = torch.tensor(m["mask"], dtype=torch.bool)
+        bs, n = m["bs"], m["n"]
+        pos = torch.empty(bs * n, dtype=torch.long)
+        idx, nt, ns = torch.full((3, bs, n), -1, dtype=torch.long)
+        reconstruct_tree.reconstruct_indices_from_tree_mask_triton(mask, torch.tensor(m["seq"]), pos, idx, nt, ns,
+                                                                   bs, n)
+        rec.append(dict(pos=pos.tolist(), idx=idx.tolist(), nt=nt.tolist(), ns=ns.tolist()))
     h = torch.empty((2, 5), dtype=torch.uint32)
     murmur_hash.murmur_hash32_kernel[(2, 1)](torch.tensor([3, 2**40 + 1], dtype=torch.uint64),
         torch.tensor([7, 9], dtype=torch.uint64), torch.arange(5), h, 2, 5, BLOCK_SIZE=8)
-    print(json.dumps(dict(trees=out, murmur=h.to(torch.int64).tolist())))
+    print(json.dumps(dict(trees=out, murmur=h.to(torch.int64).tolist(), reconstruct=rec)))
 """)
 
 
 def test_triton_kernels_agree():
-    """SGLang's Triton build-tree / greedy-verify / murmur kernels (TRITON_INTERPRET=1, on CPU)
-    give the same outputs as the replacements."""
+    """SGLang's Triton build-tree / greedy-verify / reconstruct-from-mask / murmur kernels
+    (TRITON_INTERPRET=1, on CPU) give the same outputs as the replacements."""
     gen = torch.Generator().manual_seed(21)
     cases, mine = [], []
     for bs, topk, steps, n in CASES[:5]:
@@ -724,13 +796,23 @@ def test_triton_kernels_agree():
         tree_ops.verify_tree_greedy_func(pred, acc, num, cand, idx, nt, ns, target)
         mine.append(dict(mask=mask.tolist(), pos=pos.tolist(), nt=nt.tolist(), ns=ns.tolist(),
                          pred=pred.tolist(), acc=acc.tolist(), num=num.tolist()))
+    masks, mine_rec = [], []
+    for bs, n in [(1, 5), (3, 12), (2, 17)]:
+        anc = torch.stack([_anc_of(random_parents(gen, n)) for _ in range(bs)])
+        seq = torch.randint(0, 30, (bs,), generator=gen)
+        masks.append(dict(bs=bs, n=n, mask=anc.flatten().tolist(), seq=seq.tolist()))
+        pos = torch.empty(bs * n, dtype=torch.long)
+        idx, nt, ns = torch.full((3, bs, n), -1, dtype=torch.long)
+        tree_ops.reconstruct_indices_from_tree_mask_func(anc.flatten(), seq, pos, idx, nt, ns, bs, n)
+        mine_rec.append(dict(pos=pos.tolist(), idx=idx.tolist(), nt=nt.tolist(), ns=ns.tolist()))
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK], input=json.dumps(cases), env=env,
+    proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK, json.dumps(masks)], input=json.dumps(cases), env=env,
                           capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert theirs["trees"] == mine
+    assert theirs["reconstruct"] == mine_rec
     ours = hashing.murmur_hash32(torch.tensor([3, 2**40 + 1], dtype=torch.uint64),
                                  torch.tensor([7, 9], dtype=torch.uint64), torch.arange(5))
     assert theirs["murmur"] == ours.to(torch.int64).tolist()

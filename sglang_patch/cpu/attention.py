@@ -3,14 +3,14 @@
 SGLang 0.5.23's ``TorchNativeAttnBackend`` (``srt/layers/attention/torch_native_backend.py``)
 serves prefill/extend and one-token decode only:
 
-* TARGET_VERIFY (the target scoring the draft tree) reaches ``forward_extend`` (:309) with no
+* TARGET_VERIFY (the target scoring the draft tree) reaches ``forward_extend`` (:279) with no
   ``extend_*`` lengths and needs the tree mask; `verify_forward_extend` adds that path.
 * The EAGLE multi-step draft decode needs a per-step backend whose ``topk`` rows per request each
   read the committed prefix plus their own draft slots; ``DraftBackendFactory`` has no
   ``torch_native`` entry (``srt/speculative/draft_utils.py:84,122``).
   `TorchNativeMultiStepDraftBackend` is that backend, `add_torch_native_draft_backends` its entry.
 * DRAFT_EXTEND_V2 is a plain causal extend (``prefix_lens``/``extend_lens`` are set by
-  ``prepare_for_draft_extend``, eagle_worker_common.py:117), which the stock backend already runs.
+  ``prepare_for_draft_extend``, eagle_worker_common.py:112), which the stock backend already runs.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 def forward_extend_hook(orig, backend, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
-    """AROUND hook on ``TorchNativeAttnBackend.forward_extend`` (torch_native_backend.py:309):
+    """AROUND hook on ``TorchNativeAttnBackend.forward_extend`` (torch_native_backend.py:279):
     TARGET_VERIFY batches go to `verify_forward_extend`, everything else to the stock method."""
     if forward_batch.forward_mode.is_target_verify():
         return verify_forward_extend(backend, q, k, v, layer, forward_batch, save_kv_cache)
@@ -133,7 +133,7 @@ def draft_branch_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     for ``s < num_steps``. At draft step ``s`` a branch reads the first ``seq_len_b + s + 1``
     entries. This is the layout of SGLang's ``generate_draft_decode_kv_indices``
     (kernels/ops/speculative/cache_locs.py:161, page size 1) and of the CPU
-    ``build_draft_decode_metadata_cpu`` (intel_amx_backend.py:470).
+    ``build_draft_decode_metadata_cpu`` (intel_amx_backend.py:438).
 
     Args:
         req_to_token: ``int32[R, C]``; req_pool_indices: ``int64[B]``; seq_lens: ``int[B]``.
@@ -193,10 +193,10 @@ def _step_backend_cls():
 class TorchNativeMultiStepDraftBackend:
     """Per-step torch_native backends for the EAGLE draft decode loop (``topk`` rows/request).
 
-    Mirrors the contract of ``IntelAMXMultiStepDraftBackend`` (intel_amx_backend.py:436):
+    Mirrors the contract of ``IntelAMXMultiStepDraftBackend`` (intel_amx_backend.py:426):
     ``attn_backends[step]`` is handed to the draft model at step ``step``
-    (eagle_worker_v2.py:836), and ``init_forward_metadata`` is called once per draft round
-    (eagle_worker_v2.py:709).
+    (eagle_worker_v2.py:841), and ``init_forward_metadata`` is called once per draft round
+    (eagle_worker_v2.py:711).
     """
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):

@@ -4,7 +4,7 @@ SGLang 0.5.23 derives per-request deterministic random numbers (``sampling_seed`
 ``murmur_hash32(seed, position, column)`` (``kernels/ops/sampling/murmur_hash.py:104``): Triton on
 GPUs, the CPU build of ``sgl_kernel`` on CPU tensors (not on PyPI). Used by the plain sampler
 (``srt/layers/sampler.py:958``), the draft proposal (``speculative/spec_utils.py:174``) and the
-verify coins (``speculative/eagle_utils.py:423``).
+verify coins (``speculative/eagle_utils.py:438``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_patch.cpu import attention, cache_ops, hashing, rotary, sampling, tree_ops
+from sglang_patch.cpu import attention, cache_ops, hashing, overlap, rotary, sampling, tree_ops
 
 _SPEC = "sglang.kernels.ops.speculative"
 
@@ -20,13 +20,16 @@ HOOKS = [
     (f"{_SPEC}.spec_tree.build_tree_kernel_efficient_func", HookType.REPLACE,
      tree_ops.build_tree_kernel_efficient_func),
     (f"{_SPEC}.spec_tree.verify_tree_greedy_func", HookType.REPLACE, tree_ops.verify_tree_greedy_func),
+    # NGRAM verify metadata from the corpus mask (reconstruct_tree.py:163).
+    (f"{_SPEC}.reconstruct_tree.reconstruct_indices_from_tree_mask_func", HookType.REPLACE,
+     tree_ops.reconstruct_indices_from_tree_mask_func),
     # The tree mask layout the torch verify attention reads (eagle_utils.py:132), as SGLang's
     # own CPU engine does.
     ("sglang.srt.speculative.eagle_utils.default_tree_mask_mode", HookType.REPLACE,
      sampling.qlen_only_tree_mask_mode),
     # Sampled verification: real target-only tree sampling instead of no kernel (eagle_utils.py:521).
     ("sglang.srt.speculative.eagle_utils.eagle_sample", HookType.AROUND, sampling.eagle_sample_hook),
-    # Seeded sampling hashes (sampler.py:958, spec_utils.py:174, eagle_utils.py:423) and argmax.
+    # Seeded sampling hashes (sampler.py:958, spec_utils.py:174, eagle_utils.py:438) and argmax.
     ("sglang.kernels.ops.sampling.murmur_hash.murmur_hash32", HookType.REPLACE, hashing.murmur_hash32),
     (f"{_SPEC}.row_argmax.row_argmax", HookType.REPLACE, sampling.row_argmax),
     # Overlap-scheduler relay read (overlap_utils.py:507).
@@ -52,3 +55,12 @@ HOOKS = [
     ("sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend", HookType.AROUND,
      attention.add_torch_native_draft_backends),
 ]
+
+#: Opt-in (``GRAFT_SGLANG_CPU_OVERLAP=1``, see `overlap`): keep the overlap scheduler on CPU.
+OVERLAP_HOOK = ("sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu",
+                HookType.REPLACE, overlap.keep_overlap_schedule)
+
+
+def hook_table() -> list:
+    """The hooks to register in this process: `HOOKS`, plus `OVERLAP_HOOK` when requested."""
+    return HOOKS + ([OVERLAP_HOOK] if overlap.overlap_requested() else [])

@@ -246,3 +246,37 @@ def write_accepted_path(
     accept_token_num.copy_((valid.sum(dim=1) - 1).to(accept_token_num.dtype))
     flat = predicts.view(-1)
     flat[glob[valid]] = path_tokens[valid].to(flat.dtype)
+
+
+def reconstruct_indices_from_tree_mask_func(
+    tree_mask: torch.Tensor,
+    verified_seq_len: torch.Tensor,
+    positions: torch.Tensor,
+    retrieve_index: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+) -> None:
+    """Torch ``reconstruct_indices_from_tree_mask_func`` (kernels/ops/speculative/reconstruct_tree.py:163),
+    used by the NGRAM worker (ngram_worker.py:342) to get verify metadata from the corpus's mask.
+
+    Writes, in place: ``positions`` ``int64[B * N]`` = seq_len + number of strict ancestors,
+    ``retrieve_index`` ``[B, N]`` = b * N + i, and the first-child / next-sibling links of the tree
+    whose parent is the nearest strict ancestor (``graft_spec.tree.parents_from_mask``).
+
+    Args:
+        tree_mask: flat bool ``[B * N * N]`` (QLEN layout), row i True at i and its ancestors.
+        verified_seq_len: ``int[B]``.
+    """
+    from graft_spec.tree import parents_from_mask
+
+    bs, n = batch_size, draft_token_num
+    mask = tree_mask[: bs * n * n].view(bs, n, n).to(torch.bool)
+    strict = mask & torch.ones(n, n, dtype=torch.bool, device=mask.device).tril(-1)
+    positions[: bs * n].copy_((verified_seq_len[:bs].to(torch.int64)[:, None] + strict.sum(dim=2)).reshape(-1))
+    retrieve_index[:bs].copy_(torch.arange(bs * n, device=mask.device, dtype=torch.int64).view(bs, n))
+    parents = parents_from_mask(mask)
+    first_child, next_sibling = sibling_links(parents)
+    retrieve_next_token[:bs].copy_(first_child)
+    retrieve_next_sibling[:bs].copy_(next_sibling)
