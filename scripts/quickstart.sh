@@ -6,8 +6,9 @@
 #
 # Knobs (environment): GRAFT_VENV (venv, default ./.venv), QUICKSTART_MODELS (default models/quick),
 # QUICKSTART_PROMPTS (JSONL, default data/humaneval_dev.jsonl), QUICKSTART_N (prompts, 8),
-# QUICKSTART_MAX_NEW_TOKENS (96), QUICKSTART_PORT (free port), QUICKSTART_ARGS (extra server flags,
-# e.g. "--graft-budget 16 --graft-retrieval suffix").
+# QUICKSTART_MAX_NEW_TOKENS (96), QUICKSTART_PORT (free port), QUICKSTART_GRAFT_CONFIG (default
+# configs/quick.yaml), QUICKSTART_ARGS (extra server flags, e.g. "--graft-retrieval suffix").
+# --dtype float32: SGLang would otherwise run the float32 quick models in float16.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -48,7 +49,8 @@ setsid "$PY" -m sglang.launch_server \
   --model-path "$MODELS/target" \
   --speculative-algorithm graft \
   --speculative-draft-model-path "$MODELS/draft" \
-  --device cpu --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.1 \
+  --graft-config "${QUICKSTART_GRAFT_CONFIG:-$ROOT/configs/quick.yaml}" \
+  --dtype float32 --device cpu --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.1 \
   --host 127.0.0.1 --port "$PORT" ${QUICKSTART_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
 echo "quickstart: server pid $SERVER_PID on 127.0.0.1:$PORT (log: $LOG)"

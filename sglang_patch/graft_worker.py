@@ -26,6 +26,7 @@ import logging
 from typing import Iterator, List, Optional
 
 import torch
+from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.runtime_context import get_spec
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
@@ -150,7 +151,8 @@ class GraftWorker(EAGLEWorkerV2):
         super().__init__(server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port,
                          target_worker=target_worker)
         spec = get_spec()
-        self.config = effective_graft_config(server_args)
+        # The resolved view: the tree shape was declared by GraftSpec.handle_server_args.
+        self.config = effective_graft_config(resolving_view(server_args))
         shape = (spec.speculative_num_draft_tokens, spec.speculative_eagle_topk, spec.speculative_num_steps)
         if shape != (self.config.num_draft_tokens, self.config.topk, self.config.depth):
             raise RuntimeError(f"graft: resolved tree shape {shape} differs from the graft config")
