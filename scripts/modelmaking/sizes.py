@@ -1,0 +1,138 @@
+"""Size presets for ``make_models.py``: corpus cap, tokenizer, target, draft and training budgets.
+
+Step counts (not wall-clock budgets) fix the amount of training, so a given seed and preset give
+the same checkpoint on any machine with the same Python standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Qwen3 target shape and its next-token training schedule."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.05
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """EAGLE-3 head shape (one decoder layer) and its training-time-test schedule."""
+
+    draft_vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    ttt_steps: int  # unrolled draft steps per position (EAGLE-3 "training-time test")
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    step_weight_decay: float = 0.8  # loss weight of unrolled step k is decay**k (EAGLE-3)
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.05
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """Everything that defines one model size."""
+
+    name: str
+    max_train_chars: int | None  # None: the whole standard library
+    tokenizer_chars: int  # text used to learn the BPE merges
+    vocab_size: int
+    target: TargetSpec
+    draft: DraftSpec
+    eval_tokens: int  # held-out tokens for loss / agreement metrics
+    greedy_prompts: int = 16  # prompts for the greedy-chain acceptance simulation
+    greedy_prompt_len: int = 48
+    greedy_new_tokens: int = 64
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+QUICK = SizeSpec(
+    name="quick",
+    max_train_chars=3_000_000,
+    tokenizer_chars=3_000_000,
+    vocab_size=2048,
+    target=TargetSpec(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        seq_len=128,
+        batch_size=8,
+        steps=160,
+        lr=1e-2,
+    ),
+    draft=DraftSpec(
+        draft_vocab_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        ttt_steps=3,
+        seq_len=128,
+        batch_size=8,
+        steps=70,
+        lr=3e-3,
+    ),
+    eval_tokens=16_384,
+    greedy_prompts=8,
+)
+
+DEFAULT = SizeSpec(
+    name="default",
+    max_train_chars=None,
+    tokenizer_chars=8_000_000,
+    vocab_size=4096,
+    target=TargetSpec(
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        seq_len=256,
+        batch_size=8,
+        steps=350,
+        lr=4e-3,
+    ),
+    draft=DraftSpec(
+        draft_vocab_size=2048,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        ttt_steps=3,
+        seq_len=256,
+        batch_size=8,
+        steps=150,
+        lr=3e-3,
+    ),
+    eval_tokens=65_536,
+)
+
+PRESETS = {"quick": QUICK, "default": DEFAULT}

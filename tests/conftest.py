@@ -1,0 +1,50 @@
+"""Shared pytest fixtures.
+
+``quick_models``: the small real target + EAGLE-3 head from ``scripts/make_models.py --quick``,
+built into ``models/quick`` on first use (a few minutes on 2 CPU cores) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """Directories of a built model pair: ``root`` holds ``target/``, ``draft/``, ``metrics.json``."""
+
+    root: Path
+    target: Path
+    draft: Path
+    metrics: Path
+
+
+def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
+    """Build (or finish building) models into ``root`` unless ``root/DONE`` exists.
+
+    Concurrent callers serialise on ``root.lock``; the builder itself skips completed stages.
+    Raises ``subprocess.CalledProcessError`` if the build fails.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "DONE").exists():
+        with open(root.parent / f"{root.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (root / "DONE").exists():
+                cmd = [sys.executable, str(REPO / "scripts" / "make_models.py"), "--out", str(root)]
+                subprocess.run(cmd + (["--quick"] if quick else []), check=True)
+    return ModelPaths(root, root / "target", root / "draft", root / "metrics.json")
+
+
+@pytest.fixture(scope="session")
+def quick_models() -> ModelPaths:
+    """Paths of the quick models (``GRAFT_QUICK_MODELS`` overrides the default ``models/quick``)."""
+    return ensure_models(Path(os.environ.get("GRAFT_QUICK_MODELS", REPO / "models" / "quick")))

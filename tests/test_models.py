@@ -1,0 +1,227 @@
+"""The quick models from scripts/make_models.py: formats SGLang loads, and real draft quality."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from modelmaking.eagle3 import apply_rope, load_draft, rms_norm, rope_cos_sin  # noqa: E402
+from modelmaking.evaluate import greedy_chain, teacher_forced_agreement  # noqa: E402
+from modelmaking.data import eval_windows  # noqa: E402
+
+LAYER_TENSORS = {
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(quick_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(quick_models.target)
+
+
+@pytest.fixture(scope="module")
+def target(quick_models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(quick_models.target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def draft(quick_models, target):
+    return load_draft(quick_models.draft, target.get_input_embeddings().weight.detach())
+
+
+def test_tokenizer_round_trips_and_has_chat_template(tokenizer):
+    texts = [
+        "def f(x):\n    return x + 1  # comment\n",
+        "\tmixed\r\n whitespace   and unicode: é, 中文, emoji 🐍, NUL-free bytes ~`|",
+        "",
+    ]
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert len(tokenizer.encode(special, add_special_tokens=False)) == 1
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Write code."}]
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWrite code.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    cfg = json.loads((Path(tokenizer.name_or_path) / "tokenizer_config.json").read_text())
+    assert "chat_template" in cfg
+
+
+def test_target_config_and_generation(quick_models, target, tokenizer):
+    cfg = json.loads((quick_models.target / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["torch_dtype"] == "float32" and cfg["dtype"] == "float32"
+    assert cfg["max_position_embeddings"] >= 2048
+    assert cfg["vocab_size"] == len(tokenizer)
+    gen_cfg = json.loads((quick_models.target / "generation_config.json").read_text())
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in gen_cfg["eos_token_id"]
+    assert (quick_models.target / "model.safetensors").exists()
+
+    prompt = tokenizer("def add(a, b):\n    ", return_tensors="pt")
+    out = target.generate(**prompt, max_new_tokens=12, do_sample=False)
+    again = target.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert out.shape[1] > prompt.input_ids.shape[1]
+    assert torch.equal(out, again)
+    assert isinstance(tokenizer.decode(out[0]), str)
+
+
+def test_target_beats_unigram_on_heldout(quick_models, target):
+    """Held-out loss must be well below the entropy of the unigram distribution (a model that
+    learnt nothing about context cannot beat it)."""
+    root = quick_models.root
+    evals = np.load(root / "data" / "eval.npy")
+    counts = np.bincount(np.load(root / "data" / "train.npy"), minlength=target.config.vocab_size) + 1.0
+    logp = np.log(counts / counts.sum())
+    windows = eval_windows(evals, 128, 8192)
+    unigram = -logp[windows[:, 1:].numpy()].mean()
+    with torch.no_grad():
+        logits = target(input_ids=windows).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    assert loss.item() < unigram - 0.3, (loss.item(), unigram)
+
+
+def test_draft_checkpoint_layout(quick_models):
+    tcfg = json.loads((quick_models.target / "config.json").read_text())
+    cfg = json.loads((quick_models.draft / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["hidden_size"] == tcfg["hidden_size"] == cfg["target_hidden_size"]
+    assert cfg["vocab_size"] == tcfg["vocab_size"]
+    V, Vd, H = cfg["vocab_size"], cfg["draft_vocab_size"], cfg["hidden_size"]
+    assert 0 < Vd < V
+    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert len(ids) == 3 and ids == sorted(set(ids))
+    assert 0 <= ids[0] and ids[-1] <= tcfg["num_hidden_layers"] - 2  # SGLang captures layer id+1
+
+    sd = load_file(str(quick_models.draft / "model.safetensors"))
+    assert set(sd) == LAYER_TENSORS | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    nh, nkv, D, inter = (cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"))
+    expected = {
+        "fc.weight": (H, 3 * cfg["target_hidden_size"]),
+        "midlayer.self_attn.q_proj.weight": (nh * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, nh * D),
+        "midlayer.mlp.gate_proj.weight": (inter, H),
+        "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.mlp.down_proj.weight": (H, inter),
+        "lm_head.weight": (Vd, H),
+        "norm.weight": (H,),
+        "d2t": (Vd,),
+        "t2d": (V,),
+    }
+    for name, shape in expected.items():
+        assert tuple(sd[name].shape) == shape, name
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    # SGLang: hot_token_id = d2t + arange(Vd) (llama_eagle3.py load_weights)
+    hot = sd["d2t"] + torch.arange(Vd)
+    assert bool((hot[1:] > hot[:-1]).all()) and 0 <= int(hot[0]) and int(hot[-1]) < V
+    assert int(sd["t2d"].sum()) == Vd and bool(sd["t2d"][hot].all())
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        tok = json.loads((quick_models.target / "tokenizer.json").read_text())
+        tid = next(t["id"] for t in tok["added_tokens"] if t["content"] == name)
+        assert bool(sd["t2d"][tid])
+
+
+def _replay_inference_order(draft, ids, aux, t, steps):
+    """SGLang's order for one request: draft extend over indices 0..t (token ids[i+1], target
+    features of i, position i), then draft decode steps at positions t+1.. attending to the cache.
+    Written independently of the unrolled training forward. Returns logits ``[steps, Vd]``."""
+    s, layer, a = draft.s, draft.midlayer, draft.midlayer.self_attn
+    rep = s.num_attention_heads // s.num_key_value_heads
+
+    def run(tokens, hidden, positions, cache_k, cache_v, causal):
+        x = torch.cat([rms_norm(draft.embed[tokens], layer.input_layernorm, s.rms_norm_eps),
+                       rms_norm(hidden, layer.hidden_norm, s.rms_norm_eps)], -1)
+        n = x.shape[0]
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)
+        q = apply_rope(a.q_proj(x).view(n, -1, s.head_dim).transpose(0, 1), cos, sin)
+        k = apply_rope(a.k_proj(x).view(n, -1, s.head_dim).transpose(0, 1), cos, sin)
+        v = a.v_proj(x).view(n, -1, s.head_dim).transpose(0, 1)
+        K = torch.cat(cache_k + [k], 1).repeat_interleave(rep, 0)
+        Vv = torch.cat(cache_v + [v], 1).repeat_interleave(rep, 0)
+        scores = q @ K.transpose(-1, -2) / s.head_dim**0.5
+        if causal:
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        o = a.o_proj((scores.softmax(-1) @ Vv).transpose(0, 1).reshape(n, -1))
+        r = o + hidden
+        out = layer.mlp(rms_norm(r, layer.post_attention_layernorm, s.rms_norm_eps)) + r
+        return draft.lm_head(rms_norm(out, draft.norm, s.rms_norm_eps)), out, k, v
+
+    logits, out, k, v = run(ids[1 : t + 2], draft.fc(aux[: t + 1]), torch.arange(t + 1), [], [], True)
+    cache_k, cache_v = [k], [v]
+    result = [logits[-1]]
+    hidden = out[-1:]
+    for step in range(1, steps):
+        token = ids[t + 1 + step : t + 2 + step]
+        logits, out, k, v = run(token, hidden, torch.tensor([t + step]), cache_k, cache_v, False)
+        cache_k.append(k)
+        cache_v.append(v)
+        result.append(logits[-1])
+        hidden = out
+    return torch.stack(result)
+
+
+def test_unrolled_training_forward_matches_inference_order(quick_models, target, draft):
+    from modelmaking.features import target_features
+
+    model, layer_ids = draft
+    evals = np.load(quick_models.root / "data" / "eval.npy")
+    ids = torch.from_numpy(evals[:64].astype(np.int64))[None]
+    aux, _ = target_features(target, ids, layer_ids)
+    with torch.no_grad():
+        unrolled = model(ids, aux, 3)
+        for t in (0, 17, 40):
+            replay = _replay_inference_order(model, ids[0], aux[0], t, 3)
+            for k in range(3):
+                torch.testing.assert_close(unrolled[k][0, t], replay[k], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_agrees_with_target_on_heldout_text(quick_models, target, draft):
+    """Computed here from the checkpoints (not read from metrics.json)."""
+    model, layer_ids = draft
+    evals = np.load(quick_models.root / "data" / "eval.npy")
+    windows = eval_windows(evals, 128, 8192)
+    agreement = teacher_forced_agreement(target, model, layer_ids, windows, 3)
+    assert agreement[0] >= 0.4, agreement
+    assert agreement[1] >= 0.25, agreement
+    # an untrained-looking head (random lm_head) must do much worse: the floor is meaningful
+    with torch.no_grad():
+        saved = model.lm_head.weight.clone()
+        model.lm_head.weight.normal_(0, 0.02)
+        random_agreement = teacher_forced_agreement(target, model, layer_ids, windows[:8], 1)
+        model.lm_head.weight.copy_(saved)
+    assert random_agreement[0] < 0.2
+
+    starts = np.linspace(0, len(evals) - 33, 4).astype(np.int64)
+    prompts = torch.from_numpy(np.stack([evals[s : s + 32].astype(np.int64) for s in starts]))
+    chain = greedy_chain(target, model, layer_ids, prompts, 48, 3)
+    assert chain["accept_length"] > 1.5, chain
