@@ -18,12 +18,16 @@ from typing import Dict, List, Optional, Sequence
 
 import httpx
 
-#: Arguments every CPU server needs (../shared/reference/sglang-cpu-facts.md).
+#: Arguments every CPU server needs (../shared/reference/sglang-cpu-facts.md). SGLang sizes the KV
+#: pool from *free host RAM* measured around weight loading, so a small fraction fails at random when
+#: other processes allocate meanwhile ("Loaded weights leave no GPU memory"); 0.5 with an explicit
+#: ``--max-total-tokens`` cap is stable (later arguments override both).
 CPU_SERVER_ARGS: List[str] = [
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
-    "--mem-fraction-static", "0.1",
+    "--mem-fraction-static", "0.5",
+    "--max-total-tokens", "65536",
 ]
 
 
