@@ -209,3 +209,20 @@ def test_request_state_is_freed_after_finish_and_abort(graft, graft_code_c1):
         assert time.monotonic() < deadline, f"graft state still held: {lines[-1].group(0) if lines else 'no lines'}"
         time.sleep(1)
     assert len({m.group(1) for m in lines}) >= N_PROMPTS
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-eagle-topk", "1"], "topk = 1"),
+    (["--graft-checkpoints", "[{depth: 1, threshold: 1.2, keep: 4}]"], "checkpoints.0.threshold = 1.2"),
+])
+def test_bad_settings_stop_the_real_launcher(argv, message):
+    """The launcher process exits with one message naming the field (no server comes up)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(QUICK / "target"),
+           "--speculative-algorithm", "graft", "--speculative-draft-model-path", str(QUICK / "draft"),
+           "--device", "cpu", "--attention-backend", "torch_native", "--port", "1", *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    assert "GraftSettingsError" in out.stderr and message in out.stderr, out.stderr[-3000:]
