@@ -7,13 +7,19 @@ must therefore be idempotent and cheap.
 
 
 def register() -> None:
-    """Install the CPU execution layer (only when no CUDA device) and register ``graft``.
+    """Install the CPU execution layer (only when no CUDA device), register ``graft``, the
+    serving-stats readback (`sglang_patch.server_stats`) and the prompt guard
+    (`sglang_patch.request_guard`).
 
     Source: SGLang 0.5.23 ``srt/plugins/__init__.py`` (``load_plugins``) and
     ``srt/plugins/hook_registry.py`` (hooks registered here are applied right after).
     """
     from sglang_patch.cpu import install_cpu_layer
     from sglang_patch.registration import register_graft
+    from sglang_patch.request_guard import register_request_guard
+    from sglang_patch.server_stats import register_server_stats
 
     install_cpu_layer()
     register_graft()
+    register_server_stats()  # GET /server_info -> internal_states[i]["graft"]
+    register_request_guard()  # 400 instead of a scheduler crash for empty / out-of-vocab prompts

@@ -1,0 +1,182 @@
+"""Serving statistics in ``GET /server_info``: KV/request pools, queues and graft's per-request state.
+
+An ``AFTER`` hook on SGLang's internal-state readback
+(``SchedulerInternalStateController.get_internal_state``,
+``srt/managers/scheduler_components/internal_state.py``) adds one ``"graft"`` dict to the
+scheduler's state, so it appears as ``GET /server_info`` -> ``internal_states[i]["graft"]`` (one
+entry per data-parallel scheduler). The hook only reads; it works for every server (graft, other
+speculative algorithms, no speculation, any device): the ``"graft"`` sub-dict ``"worker"`` is
+present only when the scheduler's speculative worker is graft's.
+
+Fields (token counts are KV slots; all ints unless said otherwise)::
+
+    kv:            capacity (max_total_num_tokens), available (allocator free), evictable (radix
+                   cache, reclaimable), protected (radix cache, locked by running requests),
+                   used = capacity - available - evictable
+    req_slots:     size, available (req_to_token rows)
+    queues:        running, waiting
+    leak_warnings: SGLang's own idle invariant check (KV pool / req pool leak warnings so far)
+    worker:        (graft only) live_requests (tracker), planner_live_requests, finished_total,
+                   planner_memory_bytes, memory_bytes_by_source {name: bytes},
+                   suffix_max_nodes_per_request (largest live suffix trie), suffix_rebuilds,
+                   accepted_by_source {draft, retrieved, padding} (cumulative, finished + live),
+                   config caps (suffix_max_nodes, suffix_max_depth, successor_k)
+
+Idle means: queues 0/0, ``kv.used == 0`` and ``kv.protected == 0``, ``req_slots.available ==
+req_slots.size``, ``worker.live_requests == worker.planner_live_requests == 0``.
+
+Registered from ``sglang_patch.plugin.register``, which SGLang runs in every process. The hook is
+registered only where the target module is already imported: the scheduler processes (their entry
+``run_scheduler_process`` lives in ``managers/scheduler.py``, which imports ``internal_state`` at
+module level, ``scheduler.py:240``, before calling ``load_plugins``, ``:6323``) and in-process
+``Engine`` users (``engine.py:110`` imports the scheduler). Elsewhere (the HTTP/tokenizer process,
+the detokenizer) resolving the target would import ~900 extra modules (~4 s on 2 CPU cores) for a
+hook that never runs there, so nothing is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Dict
+
+logger = logging.getLogger(__name__)
+
+#: SGLang 0.5.23 readback behind ``/server_info`` (``internal_state.py``, ``get_internal_state``).
+TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
+          "SchedulerInternalStateController.get_internal_state")
+#: Module of `TARGET`; registration is skipped in processes that have not imported it.
+TARGET_MODULE = TARGET.rsplit(".", 2)[0]
+#: Key added to the scheduler's internal state.
+KEY = "graft"
+
+_registered = False
+
+
+def _safe(fn: Callable[[], Any], default: Any = None) -> Any:
+    """``fn()``, or ``default`` when the attribute chain does not exist in this server."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a stats read must never fail the readback
+        return default
+
+
+def pool_stats(scheduler) -> Dict[str, Any]:
+    """KV pool, request-slot pool, queue lengths and leak-warning counters of a ``Scheduler``.
+
+    Source: SGLang 0.5.23 ``pool_stats_observer.py:235`` (``_get_token_info``: used = capacity -
+    available - evictable) and ``invariant_checker.py`` (idle leak checks, warning counters).
+    """
+    s = scheduler
+    capacity = _safe(lambda: int(s.max_total_num_tokens))
+    available = _safe(lambda: int(s.token_to_kv_pool_allocator.available_size()))
+    evictable = _safe(lambda: int(s.tree_cache.evictable_size()), 0)
+    protected = _safe(lambda: int(s.tree_cache.protected_size()), 0)
+    used = None if capacity is None or available is None else capacity - available - evictable
+    checker = _safe(lambda: s.invariant_checker)
+    return {
+        "kv": {"capacity": capacity, "available": available, "evictable": evictable,
+               "protected": protected, "used": used},
+        "req_slots": {"size": _safe(lambda: int(s.req_to_token_pool.size)),
+                      "available": _safe(lambda: int(s.req_to_token_pool.available_size()))},
+        "queues": {"running": _safe(lambda: len(s.running_batch.reqs), 0),
+                   "waiting": _safe(lambda: len(s.waiting_queue), 0)},
+        "leak_warnings": {
+            "kv_pool": int(getattr(checker, "count_memory_leak_warnings", 0) or 0),
+            "req_pool": int(getattr(checker, "count_req_pool_leak_warnings", 0) or 0),
+        },
+    }
+
+
+def graft_worker_stats(worker) -> Dict[str, Any]:
+    """Per-request state of a graft worker (``sglang_patch.graft_worker.GraftWorker``).
+
+    Returns an empty dict for any other worker (it has no ``live_graft_requests``).
+    """
+    if worker is None or not hasattr(worker, "live_graft_requests"):
+        return {}
+    planner = getattr(worker, "planner", None)
+    tracker = getattr(worker, "requests", None)
+    sources = list(_safe(lambda: planner.retriever.sources, []) or [])
+    out: Dict[str, Any] = {
+        "live_requests": int(worker.live_graft_requests()),
+        "planner_live_requests": _safe(lambda: int(planner.live_requests())),
+        "finished_total": _safe(lambda: int(tracker.finished_total)),
+        "planner_memory_bytes": _safe(lambda: int(planner.memory_bytes())),
+        "memory_bytes_by_source": {getattr(src, "name", type(src).__name__):
+                                   _safe(lambda src=src: int(src.memory_bytes())) for src in sources},
+    }
+    rids = list(_safe(lambda: tracker.states.keys(), []) or [])
+    for src in sources:
+        if hasattr(src, "num_nodes"):  # the suffix index: per-request trie sizes
+            out["suffix_max_nodes_per_request"] = max((src.num_nodes(r) for r in rids), default=0)
+            out["suffix_rebuilds"] = int(getattr(src, "rebuilds", 0))
+    totals = _safe(lambda: _accepted_totals(tracker))
+    if totals is not None:
+        out["accepted_by_source"] = totals
+    cfg = _safe(lambda: planner.config.retrieval)
+    if cfg is not None:
+        out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,
+                         "suffix_max_depth": cfg.suffix_max_depth, "successor": cfg.successor,
+                         "successor_k": cfg.successor_k}
+    return out
+
+
+def _accepted_totals(tracker) -> Dict[str, int]:
+    """Accepted nodes per source: the tracker's cumulative totals when it keeps them, else the sum
+    over live requests only (``RequestStats.accepted`` = [draft, retrieved, padding])."""
+    cumulative = getattr(tracker, "accepted_total", None)
+    rows = [cumulative] if cumulative is not None else [st.accepted for st in tracker.states.values()]
+    d = sum(int(r[0]) for r in rows)
+    g = sum(int(r[1]) for r in rows)
+    p = sum(int(r[2]) for r in rows)
+    return {"draft": d, "retrieved": g, "padding": p,
+            "scope": "cumulative" if cumulative is not None else "live_requests"}
+
+
+def collect(scheduler) -> Dict[str, Any]:
+    """The ``"graft"`` dict for one scheduler (pool stats, plus ``worker`` on graft servers)."""
+    out = pool_stats(scheduler)
+    worker = _safe(lambda: scheduler.draft_worker)
+    wstats = graft_worker_stats(worker)
+    if wstats:
+        out["worker"] = wstats
+    return out
+
+
+def add_graft_stats(result, controller, *args, **kwargs):
+    """``AFTER`` hook: ``result.internal_state[KEY] = collect(controller.scheduler)``.
+
+    Args:
+        result: ``GetInternalStateReqOutput`` (``internal_state``: plain dict).
+        controller: the ``SchedulerInternalStateController`` (``.scheduler``).
+    Returns:
+        ``result`` (the same object, one key added). Never raises: a failure is reported as
+        ``{"error": "..."}`` under the key.
+    """
+    state = getattr(result, "internal_state", None)
+    if not isinstance(state, dict):
+        return result
+    try:
+        state[KEY] = collect(controller.scheduler)
+    except Exception as exc:  # noqa: BLE001 - stats must never break /server_info
+        logger.warning("graft server stats failed: %r", exc)
+        state[KEY] = {"error": repr(exc)}
+    return result
+
+
+def register_server_stats() -> bool:
+    """Register `add_graft_stats` with SGLang's HookRegistry (once per process).
+
+    Must run before ``HookRegistry.apply_hooks()`` (the plugin entry point). Does nothing in a
+    process that has not imported `TARGET_MODULE` (see the module docstring). Returns True when
+    newly registered.
+    """
+    global _registered
+    if _registered or TARGET_MODULE not in sys.modules:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, add_graft_stats, HookType.AFTER)
+    _registered = True
+    return True

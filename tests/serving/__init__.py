@@ -1,0 +1,1 @@
+"""Serving tests: a graft server under load, faults and bad input (package-scoped servers)."""

@@ -1,0 +1,133 @@
+"""Package-scoped servers for the serving tests (tests/serving/): one graft server, one reference.
+
+Both start once, in parallel, for every test module of this package and stop after its last test:
+
+* ``nospec``: the quick target without speculation (greedy reference outputs);
+* ``graft``: ``--speculative-algorithm graft`` with the quick preset, a small retrieval cap
+  (``--graft-retrieval-suffix-max-nodes 512``) so prompts exceed it, and ``--context-length 1024``
+  so "near the context length" is cheap.
+
+``SERVING_TEST_SERVERS=<nospec url>,<graft url>`` reuses two servers started by hand with the same
+arguments (development only: the package does not stop them).
+
+Identical non-speculative settings on both (float32: SGLang would downcast the float32 checkpoints
+to float16, whose rounding differs between tree-verify and one-token decode forwards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from sglang_patch.launcher import SGLangServer
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTEXT_LENGTH = 1024
+MAX_RUNNING = 32
+SUFFIX_MAX_NODES = 512
+#: Context slots SGLang reserves per request on the graft server for the draft tree (EAGLE-like
+#: algorithms: max(topk * steps, N) = 24, ``managers/utils.py`` ``compute_num_reserved_tokens``).
+RESERVED = 24
+COMMON = ["--dtype", "float32", "--max-total-tokens", "65536", "--max-running-requests", str(MAX_RUNNING),
+          "--context-length", str(CONTEXT_LENGTH), "--random-seed", "0"]
+SHAPE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "4",
+         "--speculative-num-draft-tokens", "24"]
+
+#: Retrieval memory bound per live request, in bytes per configured suffix-trie node
+#: (test_server_stats.py measures <= 184 B/node with ``memory_bytes()``'s accounting and <= 175 B/node
+#: of real allocations with tracemalloc), plus a fixed per-request overhead.
+BYTES_PER_SUFFIX_NODE = 210
+PER_REQUEST_OVERHEAD = 4096
+
+
+def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = SUFFIX_MAX_NODES) -> int:
+    """Upper bound of ``GraftPlanner.memory_bytes()``: the fixed successor table plus, per live
+    request, ``BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD``."""
+    return successor_bytes + live_requests * (BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD)
+
+
+def graft_args(draft: Path) -> List[str]:
+    """CLI of the graft server under test."""
+    return ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(draft),
+            "--graft-config", str(ROOT / "configs" / "quick.yaml"), *SHAPE,
+            "--graft-retrieval-suffix-max-nodes", str(SUFFIX_MAX_NODES)]
+
+
+@dataclass
+class Servers:
+    """The two running servers, and the graft server's stats when it was fresh and idle."""
+
+    nospec: SGLangServer
+    graft: SGLangServer
+    baseline: Dict
+
+
+def _start_all(servers: List[SGLangServer]) -> None:
+    errors: List[BaseException] = []
+
+    def start(s: SGLangServer) -> None:
+        try:
+            s.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+
+
+@pytest.fixture(scope="package")
+def servers(quick_models) -> Servers:
+    """Start ``nospec`` and ``graft`` in parallel; stop both after the package's last test."""
+    from .client import server_stats
+
+    reuse = os.environ.get("SERVING_TEST_SERVERS")
+    if reuse:
+        urls = reuse.split(",")
+        ns, gs = (SGLangServer(model_path="", port=int(u.rsplit(":", 1)[1])) for u in urls)
+        yield Servers(ns, gs, server_stats(gs.url))
+        return
+    stamp = int(time.time())
+    nospec = SGLangServer(model_path=str(quick_models.target), args=list(COMMON),
+                          log_path=f"/tmp/serving_nospec_{stamp}.log")
+    graft = SGLangServer(model_path=str(quick_models.target),
+                         args=[*COMMON, *graft_args(quick_models.draft)],
+                         log_path=f"/tmp/serving_graft_{stamp}.log")
+    _start_all([nospec, graft])
+    try:
+        yield Servers(nospec, graft, server_stats(graft.url))
+    finally:
+        nospec.stop()
+        graft.stop()
+
+
+@pytest.fixture(scope="package")
+def tokenizer(quick_models):
+    """The quick target's tokenizer (``tokenizers.Tokenizer``)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(quick_models.target / "tokenizer.json"))
+
+
+def load_prompts() -> List[str]:
+    """The 162 prompt texts of data/humaneval_dev.jsonl and data/mtbench_dev.jsonl (first turns)."""
+    out = []
+    for name in ("humaneval_dev.jsonl", "mtbench_dev.jsonl"):
+        for line in (ROOT / "data" / name).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out.append(row["prompt"] if "prompt" in row else row["turns"][0])
+    return out
