@@ -50,7 +50,8 @@ setsid "$PY" -m sglang.launch_server \
   --speculative-algorithm graft \
   --speculative-draft-model-path "$MODELS/draft" \
   --graft-config "${QUICKSTART_GRAFT_CONFIG:-$ROOT/configs/quick.yaml}" \
-  --dtype float32 --device cpu --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.1 \
+  --dtype float32 --device cpu --attention-backend torch_native --disable-cuda-graph \
+  --mem-fraction-static 0.5 --max-total-tokens 65536 \
   --host 127.0.0.1 --port "$PORT" ${QUICKSTART_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
 echo "quickstart: server pid $SERVER_PID on 127.0.0.1:$PORT (log: $LOG)"

@@ -40,7 +40,7 @@ GRAFT_CONFIG = ROOT / "configs" / "quick.yaml"
 SHAPE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "24"]
 # float32: SGLang downcasts float32 checkpoints to float16 by default (model_config.py:2317), and
 # fp16 rounding differs between a tree-verify forward and a one-token decode forward.
-COMMON = ["--dtype", "float32", "--max-total-tokens", "65536", "--max-running-requests", "16",
+COMMON = ["--dtype", "float32", "--max-running-requests", "16",
           "--random-seed", "0"]
 
 
