@@ -225,3 +225,39 @@ def test_draft_agrees_with_target_on_heldout_text(quick_models, target, draft):
     prompts = torch.from_numpy(np.stack([evals[s : s + 32].astype(np.int64) for s in starts]))
     chain = greedy_chain(target, model, layer_ids, prompts, 48, 3)
     assert chain["accept_length"] > 1.5, chain
+
+
+def test_sglang_serves_the_pair_with_the_predicted_acceptance(quick_models, target, draft):
+    """SGLang 0.5.23 (CPU, through our plugin) loads both checkpoints; its greedy EAGLE-3 chain
+    output equals the target's greedy text, and its reported accept length matches the replay of
+    our training-time forward on that text (so training and SGLang's draft forward agree)."""
+    from modelmaking.evaluate import greedy_generate, replay_chain, step_matches
+    from sglang_server import generate_many, serve
+
+    model, layer_ids = draft
+    evals = np.load(quick_models.root / "data" / "eval.npy")
+    P, new = 40, 40
+    starts = np.linspace(0, len(evals) - P - 1, 4).astype(np.int64)
+    prompts = torch.from_numpy(np.stack([evals[s : s + P].astype(np.int64) for s in starts]))
+    args = ["--dtype", "float32", "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", str(quick_models.draft),
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "4"]
+    with serve(quick_models.target, args, name="models_eagle3") as srv:
+        outs = generate_many(srv.url, prompts.tolist(), max_new_tokens=new)
+
+    seqs = greedy_generate(target, prompts, new)
+    matches = step_matches(target, model, layer_ids, seqs, 3)
+    same, ours_tokens, ours_rounds, sg_tokens, sg_rounds = 0, 0, 0, 0, 0
+    for b, out in enumerate(outs):
+        sg = out["output_ids"]
+        same += int(sg == seqs[b, P:].tolist())
+        t, r = replay_chain(matches[b], P, new)
+        ours_tokens, ours_rounds = ours_tokens + t, ours_rounds + r
+        sg_tokens += out["meta_info"]["completion_tokens"]
+        sg_rounds += out["meta_info"]["spec_verify_ct"]
+    assert same >= 3, "SGLang's greedy output differs from the HF target's greedy continuation"
+    ours, theirs = ours_tokens / ours_rounds, sg_tokens / sg_rounds
+    print(f"\naccept length: SGLang {theirs:.3f}, replay of the training forward {ours:.3f}")
+    assert theirs > 1.2
+    assert abs(theirs - ours) < 0.05 * ours, (theirs, ours)

@@ -59,12 +59,39 @@ def greedy_generate(target: Qwen3ForCausalLM, prompts: torch.Tensor, new_tokens:
     return torch.cat(pieces, dim=1)
 
 
+def replay_chain(matches: torch.Tensor, prompt_len: int, new_tokens: int) -> tuple[int, int]:
+    """Count tokens and verify rounds of chain speculative decoding, as SGLang counts them.
+
+    Args:
+        matches: bool ``[T, K]`` from `step_matches` for one greedy sequence (prompt + output).
+        prompt_len: ``P``; the prefill yields the first output token (no verify round).
+        new_tokens: output length cap (``max_new_tokens``).
+
+    Each round starts at index ``i`` (the draft KV cache covers ``0..i``), accepts the leading
+    matching steps ``n`` plus the target's bonus token, and moves to ``i + n + 1``; the last round
+    is cut at ``new_tokens``. Returns (completion tokens, verify rounds): SGLang's
+    ``spec_accept_length`` is their ratio (``tokenizer_manager.py`` meta_info).
+    """
+    steps = matches.shape[1]
+    tokens, rounds, i = 1, 0, prompt_len - 1
+    while tokens < new_tokens:
+        n = 0
+        while n < steps and i < matches.shape[0] and bool(matches[i, n]):
+            n += 1
+        tokens += min(n + 1, new_tokens - tokens)
+        rounds += 1
+        i += n + 1
+    return tokens, rounds
+
+
 @torch.no_grad()
 def greedy_chain(target, draft, layer_ids, prompts: torch.Tensor, new_tokens: int, steps: int) -> dict:
     """Replay chain speculative decoding on the target's own greedy continuations of ``prompts [N, P]``.
 
-    Returns {'accept_length', 'step_agreement', 'rounds', 'tokens'}: accepted tokens per verify
-    (bonus included), per-step top-1 agreement along the greedy text, and the totals.
+    Returns {'accept_length', 'step_agreement', 'rounds', 'tokens'}: completion tokens per verify
+    round (bonus and prefill token included, as SGLang's ``spec_accept_length`` for
+    ``--speculative-eagle-topk 1 --speculative-num-steps K``), per-step top-1 agreement along
+    the greedy text, and the totals.
     """
     P = prompts.shape[1]
     seqs = greedy_generate(target, prompts, new_tokens)
@@ -72,14 +99,9 @@ def greedy_chain(target, draft, layer_ids, prompts: torch.Tensor, new_tokens: in
     T = seqs.shape[1]
     rounds = tokens = 0
     for b in range(seqs.shape[0]):
-        i = P - 1  # the draft extends up to index P-1, whose input token is the first generated one
-        while i + 1 + steps <= T - 1:
-            n = 0
-            while n < steps and bool(m[b, i, n]):
-                n += 1
-            rounds += 1
-            tokens += n + 1
-            i += n + 1
+        t, r = replay_chain(m[b], P, new_tokens)
+        tokens += t
+        rounds += r
     gen = m[:, P - 1 :, :]
     agree = [float(gen[:, : T - P - k, k].float().mean()) for k in range(steps)]
     return {"accept_length": tokens / max(1, rounds), "step_agreement": agree, "rounds": rounds, "tokens": tokens}
