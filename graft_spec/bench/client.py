@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import httpx
 
@@ -24,6 +24,8 @@ class RequestResult:
         correct_drafts_histogram: index i = number of verify steps that accepted i draft tokens
             (accept length i + 1, bonus included); empty without speculation.
         latency_s: wall time of the request in seconds.
+        graft_src: Graft's per-token source letters (``meta_info["graft_src"]``: ``d`` draft node,
+            ``r`` grafted/retrieved node, ``p`` padding node, ``t`` target bonus); empty otherwise.
         meta: the full ``meta_info`` dict.
     """
 
@@ -33,6 +35,7 @@ class RequestResult:
     verify_ct: int
     correct_drafts_histogram: List[int]
     latency_s: float
+    graft_src: str = ""
     meta: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,6 +73,7 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: BenchPrompt, params:
         verify_ct=int(meta.get("spec_verify_ct", 0) or 0),
         correct_drafts_histogram=list(meta.get("spec_correct_drafts_histogram") or []),
         latency_s=dt,
+        graft_src=str(meta.get("graft_src") or ""),
         meta=meta,
     )
 
@@ -94,12 +98,3 @@ def run_prompts_sync(url: str, prompts: Sequence[BenchPrompt], concurrency: int,
                      params: Dict[str, Any], timeout_s: float = 600.0) -> RunResult:
     """Blocking wrapper of :func:`run_prompts`."""
     return asyncio.run(run_prompts(url, prompts, concurrency, params, timeout_s))
-
-
-def server_stats(url: str, path: str = "/graft/stats", timeout_s: float = 10.0) -> Optional[Dict[str, Any]]:
-    """Fetch a JSON stats endpoint if the server has one; ``None`` when absent."""
-    try:
-        r = httpx.get(f"{url}{path}", timeout=timeout_s)
-    except httpx.HTTPError:
-        return None
-    return r.json() if r.status_code == 200 else None

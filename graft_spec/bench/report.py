@@ -18,7 +18,11 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
         accept_hist: accept-length histogram, index = accept length (bonus included), counts of steps.
         verified_tokens_per_step: tokens the target verifies per step (N; 1 without speculation).
         output_tokens, wall_s, tokens_per_s (output tokens / wall seconds), mean_latency_s.
+        grafted_accept_share: share of accepted draft-tree tokens that came from grafted
+            (retrieved) nodes, from Graft's ``graft_src`` letters; None for other methods.
     """
+    src = "".join(r.graft_src for r in run.results)
+    tree_accepted = sum(src.count(c) for c in "drp")
     tokens = sum(r.completion_tokens for r in run.results)
     steps = sum(r.verify_ct for r in run.results)
     hist: List[int] = []
@@ -37,6 +41,7 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
         "wall_s": run.wall_s,
         "tokens_per_s": tokens / run.wall_s if run.wall_s > 0 else 0.0,
         "mean_latency_s": sum(r.latency_s for r in run.results) / max(len(run.results), 1),
+        "grafted_accept_share": src.count("r") / tree_accepted if tree_accepted else None,
     }
 
 
