@@ -17,6 +17,7 @@ matches the current settings (and its upstream stages) is skipped. See docs/mode
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -61,11 +62,20 @@ class Builder:
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def fingerprint(self, stage: str) -> str:
-        """Hash of everything the stage depends on: settings, corpus source, upstream markers."""
+        """Hash of what the stage depends on: its part of the preset, seed, corpus source and the
+        upstream stage markers (so a rebuilt upstream stage invalidates everything after it)."""
         idx = STAGES.index(stage)
+        spec = self.spec.as_dict()
+        relevant = {
+            "tokenizer": ("max_train_chars", "tokenizer_chars", "vocab_size"),
+            "data": ("max_train_chars",),
+            "target": ("target",),
+            "draft": ("draft",),
+            "eval": ("eval_tokens", "greedy_prompts", "greedy_prompt_len", "greedy_new_tokens"),
+        }[stage]
         parts = {
             "stage": stage,
-            "spec": self.spec.as_dict(),
+            "spec": {k: spec[k] for k in relevant},
             "seed": self.seed,
             "python": platform.python_version(),
             "stdlib": str(corpus_mod.stdlib_root()),
@@ -165,7 +175,6 @@ class Builder:
         tok = Tokenizer.from_file(str(self.out / "tokenizer" / "tokenizer.json"))
         ids = special_ids(tok)
         train = np.load(self.out / "data" / "train.npy")
-        evals = np.load(self.out / "data" / "eval.npy")
         spec = self.spec.target
         model = init_model(build_config(spec, tok.get_vocab_size(), ids), self.seed).to(self.device)
         n_params = sum(p.numel() for p in model.parameters())
@@ -173,13 +182,12 @@ class Builder:
                    f"{spec.batch_size}x{spec.seq_len} tokens")
         stats = train_target(model, spec, train, self.seed, self.compile, device=self.device)
         model = model.cpu()
-        ev = heldout_loss(model, evals, spec.seq_len, self.spec.eval_tokens)
         tmp = self.staging("target")
         save_target(model, tmp, self.out / "tokenizer", ids)
         self.publish(tmp, "target")
         return self.finish("target", {"seconds": time.perf_counter() - t0, "params": n_params,
                                       "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
-                                      **stats, **ev})
+                                      **stats})
 
     def stage_draft(self) -> dict:
         ddir = self.out / "draft"
@@ -218,6 +226,7 @@ class Builder:
         evals = np.load(self.out / "data" / "eval.npy")
         target = load_target(self.out / "target")
         draft, layer_ids = load_draft(self.out / "draft", target.get_input_embeddings().weight.detach())
+        lm = heldout_loss(target, evals, self.spec.target.seq_len, self.spec.eval_tokens)
         K = self.spec.draft.ttt_steps
         windows = eval_windows(evals, self.spec.draft.seq_len, self.spec.eval_tokens)
         agreement = teacher_forced_agreement(target, draft, layer_ids, windows, K)
@@ -225,7 +234,7 @@ class Builder:
         starts = np.linspace(0, len(evals) - P - 1, self.spec.greedy_prompts).astype(np.int64)
         prompts = torch.from_numpy(np.stack([evals[s : s + P].astype(np.int64) for s in starts]))
         chain = greedy_chain(target, draft, layer_ids, prompts, self.spec.greedy_new_tokens, K)
-        return self.finish("eval", {"seconds": time.perf_counter() - t0,
+        return self.finish("eval", {"seconds": time.perf_counter() - t0, **lm,
                                     "heldout_agreement": agreement, "greedy_chain": chain})
 
     def run(self) -> dict:
@@ -253,9 +262,9 @@ def summarize(spec: SizeSpec, seed: int, results: dict) -> dict:
         "tokenizer": {"vocab_size": m["tokenizer"]["vocab_size"]},
         "target": {
             "params": m["target"]["params"],
-            "heldout_loss": m["target"]["heldout_loss"],
-            "heldout_ppl": m["target"]["heldout_ppl"],
-            "heldout_tokens": m["target"]["heldout_tokens"],
+            "heldout_loss": m["eval"]["heldout_loss"],
+            "heldout_ppl": m["eval"]["heldout_ppl"],
+            "heldout_tokens": m["eval"]["heldout_tokens"],
             "train_loss_last": m["target"]["train_loss_last"],
             "train_tokens_seen": m["target"]["train_tokens_seen"],
         },
@@ -293,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     t0 = time.perf_counter()
-    metrics = Builder(out, spec, args.seed, args.device, not args.no_compile).run()
+    # one build per output directory at a time (tests, quickstart and users may race)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        metrics = Builder(out, spec, args.seed, args.device, not args.no_compile).run()
     print(json.dumps({k: metrics[k] for k in ("target", "draft", "seconds")}, indent=2))
     print(f"models in {out} ({time.perf_counter() - t0:.0f}s this run)")
     return 0

@@ -6,7 +6,6 @@ built into ``models/quick`` on first use (a few minutes on 2 CPU cores) and reus
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -31,16 +30,12 @@ class ModelPaths:
 def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
     """Build (or finish building) models into ``root`` unless ``root/DONE`` exists.
 
-    Concurrent callers serialise on ``root.lock``; the builder itself skips completed stages.
-    Raises ``subprocess.CalledProcessError`` if the build fails.
+    Concurrent builders serialise on a lock file next to ``root`` (taken by make_models.py), and
+    the builder skips completed stages. Raises ``subprocess.CalledProcessError`` if the build fails.
     """
-    root.mkdir(parents=True, exist_ok=True)
     if not (root / "DONE").exists():
-        with open(root.parent / f"{root.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (root / "DONE").exists():
-                cmd = [sys.executable, str(REPO / "scripts" / "make_models.py"), "--out", str(root)]
-                subprocess.run(cmd + (["--quick"] if quick else []), check=True)
+        cmd = [sys.executable, str(REPO / "scripts" / "make_models.py"), "--out", str(root)]
+        subprocess.run(cmd + (["--quick"] if quick else []), check=True)
     return ModelPaths(root, root / "target", root / "draft", root / "metrics.json")
 
 

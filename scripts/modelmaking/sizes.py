@@ -99,7 +99,7 @@ QUICK = SizeSpec(
         steps=70,
         lr=3e-3,
     ),
-    eval_tokens=16_384,
+    eval_tokens=8_192,
     greedy_prompts=8,
 )
 
