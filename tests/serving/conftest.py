@@ -36,7 +36,10 @@ SUFFIX_MAX_NODES = 512
 #: algorithms: max(topk * steps, N) = 24, ``managers/utils.py`` ``compute_num_reserved_tokens``).
 RESERVED = 24
 COMMON = ["--dtype", "float32", "--max-total-tokens", "65536", "--max-running-requests", str(MAX_RUNNING),
-          "--context-length", str(CONTEXT_LENGTH), "--random-seed", "0"]
+          "--context-length", str(CONTEXT_LENGTH), "--random-seed", "0",
+          # the scheduler polls its sockets instead of spinning when idle (SGLang default: spin,
+          # one core per idle server on CPU, measured)
+          "--sleep-on-idle"]
 SHAPE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "4",
          "--speculative-num-draft-tokens", "24"]
 

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.server, pytest.mark.models]
 N_REQUESTS = 200
 CONCURRENCY = 32
 DISCONNECT_EVERY = 5            # request i disconnects when i % 5 == 4: 40 of 200 (20%)
-MAX_NEW = (16, 24, 32)
+MAX_NEW = (16, 24)
 
 # ---------------------------------------------------------------------------------------- load run
 @dataclass
@@ -60,7 +60,7 @@ def _load_plan() -> List[Dict[str, Any]]:
                          "sampling": {"max_new_tokens": 256, "temperature": 0.0, "ignore_eos": True}})
         else:
             plan.append({"kind": "complete", "prompt": text,
-                         "sampling": {"max_new_tokens": MAX_NEW[i % 3], "temperature": 0.0}})
+                         "sampling": {"max_new_tokens": MAX_NEW[i % 2], "temperature": 0.0}})
     return plan
 
 
