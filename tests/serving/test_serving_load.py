@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
@@ -149,6 +151,29 @@ def test_load_disconnects_were_mid_stream(load_run):
     assert not bad, f"disconnecting clients failed: {bad[:3]}"
     # every disconnect happened after 2 chunks of a 256-token (ignore_eos) stream, i.e. mid-decode
     assert all(r.chunks == 2 and not r.ended for _, r in cut), [(r.chunks, r.ended) for _, r in cut]
+
+
+def test_load_disconnected_requests_were_aborted(servers, load_run):
+    """The server stopped generating for the disconnected clients: the graft worker's per-request
+    line (``graft request <rid> finished: rounds=R emitted=T ...``, docs/sglang_graft.md) shows each
+    of them freed after far fewer than its 256 tokens."""
+    if not servers.graft.log_path:
+        pytest.skip("reused server without a log file")
+    rids = [r.last["meta_info"]["id"] for it, r in zip(load_run.plan, load_run.results)
+            if it["kind"] == "disconnect"]
+    pattern = re.compile(r"graft request (\S+) finished: rounds=(\d+) emitted=(\d+)")
+    deadline = time.monotonic() + 30
+    while True:
+        emitted = {m.group(1): int(m.group(3))
+                   for m in pattern.finditer(Path(servers.graft.log_path).read_text(errors="replace"))}
+        missing = [rid for rid in rids if rid not in emitted]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not missing, f"{len(missing)} disconnected requests never freed their graft state"
+    longest = max(emitted[rid] for rid in rids)
+    assert longest < 128, f"a disconnected request kept generating ({longest} tokens of 256)"
+    print(f"\nSERVING-ABORT longest disconnected request emitted {longest} tokens before the abort")
 
 
 def test_load_server_healthy_and_back_to_idle(servers, load_run, record_property):
@@ -285,3 +310,11 @@ def test_mixed_batch_none_fail_greedy_equal_sampled_valid(mixed, tokenizer):
 def test_mixed_batch_leaves_server_idle(servers, mixed):
     assert healthy(servers.graft.url)
     wait_idle(servers.graft.url, servers.baseline, timeout_s=60)
+
+
+def test_stats_on_a_server_without_speculation(servers):
+    """The stats hook runs on every server with the plugin: pools and queues, no graft worker."""
+    stats = server_stats(servers.nospec.url)
+    assert "worker" not in stats and "error" not in stats
+    assert stats["kv"]["capacity"] == 65536 and stats["kv"]["used"] == 0
+    assert stats["req_slots"]["available"] == stats["req_slots"]["size"] == MAX_RUNNING
