@@ -51,7 +51,7 @@ setsid "$PY" -m sglang.launch_server \
   --speculative-draft-model-path "$MODELS/draft" \
   --graft-config "${QUICKSTART_GRAFT_CONFIG:-$ROOT/configs/quick.yaml}" \
   --dtype float32 --device cpu --attention-backend torch_native --disable-cuda-graph \
-  --mem-fraction-static 0.5 --max-total-tokens 65536 \
+  --mem-fraction-static 0.5 --max-total-tokens 65536 --sleep-on-idle \
   --host 127.0.0.1 --port "$PORT" ${QUICKSTART_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
 echo "quickstart: server pid $SERVER_PID on 127.0.0.1:$PORT (log: $LOG)"

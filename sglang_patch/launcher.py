@@ -21,13 +21,15 @@ import httpx
 #: Arguments every CPU server needs (../shared/reference/sglang-cpu-facts.md). SGLang sizes the KV
 #: pool from *free host RAM* measured around weight loading, so a small fraction fails at random when
 #: other processes allocate meanwhile ("Loaded weights leave no GPU memory"); 0.5 with an explicit
-#: ``--max-total-tokens`` cap is stable (later arguments override both).
+#: ``--max-total-tokens`` cap is stable (later arguments override both). ``--sleep-on-idle``: an
+#: idle scheduler otherwise spins at about one core, which starves 2-core machines.
 CPU_SERVER_ARGS: List[str] = [
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
     "--mem-fraction-static", "0.5",
     "--max-total-tokens", "65536",
+    "--sleep-on-idle",
 ]
 
 
