@@ -267,6 +267,33 @@ def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def merge_config_sources(file: Optional[str | os.PathLike] = None,
+                         overrides: Optional[Mapping[str, Any]] = None,
+                         env: bool = True,
+                         prefix: str = "GRAFT_",
+                         environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The raw, not yet validated settings of `load_config` (file < env < overrides).
+
+    Engine adapters use it to see which fields a user set explicitly (e.g. the tree shape,
+    which SGLang may also set) before validating once with the final values.
+
+    Raises:
+        ValueError, FileNotFoundError: unreadable file or environment value.
+    """
+    e = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if file is None and env and e.get(prefix + "CONFIG"):
+        file = e[prefix + "CONFIG"]
+    if file is not None:
+        data = _read_file(file)
+    if env:
+        data = _deep_merge(data, env_overrides(prefix, e))
+    if overrides:
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        data = _deep_merge(data, _expand_dotted(clean))
+    return data
+
+
 def load_config(file: Optional[str | os.PathLike] = None,
                 overrides: Optional[Mapping[str, Any]] = None,
                 env: bool = True,
@@ -289,15 +316,4 @@ def load_config(file: Optional[str | os.PathLike] = None,
     Raises:
         pydantic.ValidationError, ValueError, FileNotFoundError (see `GraftConfig.from_file`).
     """
-    e = os.environ if environ is None else environ
-    data: dict[str, Any] = {}
-    if file is None and env and e.get(prefix + "CONFIG"):
-        file = e[prefix + "CONFIG"]
-    if file is not None:
-        data = _read_file(file)
-    if env:
-        data = _deep_merge(data, env_overrides(prefix, e))
-    if overrides:
-        clean = {k: v for k, v in overrides.items() if v is not None}
-        data = _deep_merge(data, _expand_dotted(clean))
-    return GraftConfig.model_validate(data)
+    return GraftConfig.model_validate(merge_config_sources(file, overrides, env, prefix, environ))

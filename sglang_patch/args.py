@@ -254,7 +254,7 @@ def stash_graft_cli_args(result, cls, args: argparse.Namespace):
     setattr(result, CLI_ATTR, cli)
     algo = getattr(result, "speculative_algorithm", None)
     if algo is not None and str(algo).upper() == "GRAFT":
-        build_graft_config(cli)
+        effective_graft_config(result)
     elif len(cli) > 0:
         logger.warning("--graft-* flags given without --speculative-algorithm graft; ignored")
     return None
@@ -264,9 +264,20 @@ def stash_graft_cli_args(result, cls, args: argparse.Namespace):
 # SGLang hook: server-argument resolution (GraftSpec.handle_server_args)
 # --------------------------------------------------------------------------------------------------
 def _explicit_shape(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, int]:
-    """Tree-shape values the user set for graft (flag, environment or file), not defaults."""
-    cfg = build_graft_config(cli, environ)
-    return {f: getattr(cfg, f) for f in SHARED_SHAPE if f in cfg.model_fields_set}
+    """Tree-shape values the user set for graft (flag, environment or file), not defaults.
+
+    Read from the merged sources before validation: the rest of the config may only be valid with
+    SGLang's shape (e.g. a checkpoint deeper than the default ``depth``).
+    """
+    from graft_spec.config import merge_config_sources
+
+    cli = dict(cli)
+    file = cli.pop("config", None)
+    try:
+        raw = merge_config_sources(file=file, overrides=cli, env=True, environ=environ)
+    except (OSError, ValueError) as exc:
+        raise GraftSettingsError(f"invalid graft setting: {exc}") from None
+    return {f: raw[f] for f in SHARED_SHAPE if raw.get(f) is not None}
 
 
 def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[str, int]:
@@ -283,7 +294,8 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
     env = _tooling_free(environ)
     cli = getattr(sa, CLI_ATTR, None) or {}
     explicit = _explicit_shape(cli, env)
-    defaults = build_graft_config(cli, env)
+    from graft_spec.config import GraftConfig
+
     shape: Dict[str, int] = {}
     for field, sa_field in SHARED_SHAPE.items():
         sg_value = getattr(sa, sa_field, None)
@@ -292,14 +304,20 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
                 f"invalid graft setting: {field} = {explicit[field]} (graft config) contradicts "
                 f"--{sa_field.replace('_', '-')} = {sg_value}; set one of them"
             )
-        shape[field] = int(sg_value) if sg_value is not None else int(getattr(defaults, field))
+        if sg_value is not None:
+            shape[field] = int(sg_value)
+        else:  # validated (with the rest of the config) by effective_graft_config
+            shape[field] = explicit.get(field, GraftConfig.model_fields[field].default)
     return shape
 
 
 def effective_graft_config(sa, environ: Optional[Mapping[str, str]] = None):
     """GraftConfig with the tree shape SGLang resolved (used by the worker and by validation)."""
     env = _tooling_free(environ)
-    return build_graft_config(getattr(sa, CLI_ATTR, None), env, shape=resolve_tree_shape(sa, env))
+    resolve_tree_shape(sa, env)  # raises on a graft value that contradicts an SGLang flag
+    sglang_shape = {f: int(getattr(sa, sa_f)) for f, sa_f in SHARED_SHAPE.items()
+                    if getattr(sa, sa_f, None) is not None}
+    return build_graft_config(getattr(sa, CLI_ATTR, None), env, shape=sglang_shape)
 
 
 def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None) -> None:

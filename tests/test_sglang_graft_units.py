@@ -147,25 +147,37 @@ def test_sglang_shape_flags_win_and_conflicts_are_errors(sglang_plugins):
                          "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "7"])
     view = _declared(sa, environ={})
     assert (view.speculative_num_steps, view.speculative_eagle_topk, view.speculative_num_draft_tokens) == (3, 2, 7)
-    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-draft-tokens", "7",
-                         "--graft-budget", "9"])
     with pytest.raises(GraftSettingsError, match="num_draft_tokens = 9.*speculative-num-draft-tokens = 7"):
-        _declared(sa, environ={})
+        # raised while the CLI is parsed (ServerArgs.from_cli_args hook), before any resolution
+        sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-draft-tokens", "7",
+                        "--graft-budget", "9"])
+
+
+def test_checkpoints_validated_against_the_sglang_shape(sglang_plugins):
+    """A config deeper than GraftConfig's default depth is valid when SGLang's --speculative-num-steps allows it."""
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-steps", "7",
+                         "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "24",
+                         "--graft-checkpoints", "[{depth: 6, threshold: 0.2, keep: 8}]"])
+    from sglang_patch.args import effective_graft_config
+
+    cfg = effective_graft_config(sa, environ={})
+    assert (cfg.depth, cfg.topk, cfg.num_draft_tokens) == (7, 4, 24) and cfg.checkpoints[0].depth == 6
 
 
 def test_topk1_missing_draft_and_unfillable_budget_are_errors(sglang_plugins):
     from sglang_patch.args import GraftSettingsError
 
-    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-eagle-topk", "1"])
+    # Shape errors surface while the CLI is parsed, the others when the server args are resolved.
     with pytest.raises(GraftSettingsError, match="topk = 1"):
-        _declared(sa, environ={})
-    sa = sglang_plugins(["--model-path", "/nonexistent-model", "--speculative-algorithm", "graft"])
+        _declared(sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-eagle-topk", "1"]),
+                  environ={})
     with pytest.raises(GraftSettingsError, match="--speculative-draft-model-path"):
-        _declared(sa, environ={})
-    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-steps", "2",
-                         "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "9"])
+        _declared(sglang_plugins(["--model-path", "/nonexistent-model", "--speculative-algorithm", "graft"]),
+                  environ={})
     with pytest.raises(GraftSettingsError, match="num_draft_tokens"):
-        _declared(sa, environ={})
+        _declared(sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--speculative-num-steps", "2",
+                                  "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "9"]),
+                  environ={})
 
 
 # ------------------------------------------------------------------ tensor translation
