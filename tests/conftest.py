@@ -1,7 +1,12 @@
 """Shared pytest fixtures.
 
 ``quick_models``: the small real target + EAGLE-3 head from ``scripts/make_models.py --quick``,
-built into ``models/quick`` on first use (a few minutes on 2 CPU cores) and reused afterwards.
+built into ``models/quick`` (a few minutes on 2 CPU cores) and reused afterwards.
+
+The build runs at session start, before collection, because some server-test modules read the
+models' tokenizer at import time (prompt ids) and skip when the models are absent: built at
+session start they never skip on a fresh clone (CI). ``GRAFT_NO_MODEL_BUILD=1`` opts out for
+quick core-only runs.
 """
 
 from __future__ import annotations
@@ -39,7 +44,17 @@ def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
     return ModelPaths(root, root / "target", root / "draft", root / "metrics.json")
 
 
+def _quick_root() -> Path:
+    return Path(os.environ.get("GRAFT_QUICK_MODELS", REPO / "models" / "quick"))
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the quick models before collection (see the module docstring)."""
+    if os.environ.get("GRAFT_NO_MODEL_BUILD") != "1":
+        ensure_models(_quick_root())
+
+
 @pytest.fixture(scope="session")
 def quick_models() -> ModelPaths:
     """Paths of the quick models (``GRAFT_QUICK_MODELS`` overrides the default ``models/quick``)."""
-    return ensure_models(Path(os.environ.get("GRAFT_QUICK_MODELS", REPO / "models" / "quick")))
+    return ensure_models(_quick_root())

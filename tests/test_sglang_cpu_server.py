@@ -64,6 +64,7 @@ PROMPTS = _prompt_ids() if (QUICK / "DONE").exists() else []
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     """Greedy output ids without speculation, concurrency 1."""
+    assert len(PROMPTS) == 20, "prompt ids are read at import time: models must exist (conftest builds them)"
     with serve(QUICK / "target", COMMON, name="cpu_nospec") as srv:
         outs = generate_many(srv.url, PROMPTS, concurrency=1, max_new_tokens=MAX_NEW)
     assert all("spec_verify_ct" not in o["meta_info"] or not o["meta_info"]["spec_verify_ct"] for o in outs)
