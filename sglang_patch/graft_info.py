@@ -23,6 +23,7 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
 from graft_spec.tree import DraftTree, ancestor_mask, node_depths, sibling_links
+from sglang_patch.tree_mask import write_tree_mask
 
 __all__ = ["GraftVerifyInput", "split_eagle_lists", "tree_mask_numel", "write_tree_mask",
            "build_graft_verify_input"]
@@ -85,29 +86,6 @@ def tree_mask_numel(mode: TreeMaskMode, seq_lens_cpu: Sequence[int], n: int) -> 
         return sum(n * (int(s) + n) for s in seq_lens_cpu)
     raise NotImplementedError(f"graft: tree mask mode {mode!r} is not supported")
 
-
-def write_tree_mask(out: torch.Tensor, mask: torch.Tensor, seq_lens: torch.Tensor,
-                    mode: TreeMaskMode) -> None:
-    """Write ancestor masks ``bool[B, N, N]`` into SGLang's flat verify-mask buffer ``out``.
-
-    FULL_MASK writes only the tree columns; the caller fills the prefix columns with True first.
-
-    Raises:
-        NotImplementedError: QLEN_ONLY_BITPACKING (no SGLang 0.5.23 backend reads it).
-    """
-    b, n, _ = mask.shape
-    if mode == TreeMaskMode.QLEN_ONLY:
-        out[: b * n * n].copy_(mask.reshape(-1))
-        return
-    if mode != TreeMaskMode.FULL_MASK:
-        raise NotImplementedError(f"graft: tree mask mode {mode!r} is not supported")
-    lens = seq_lens.to(torch.int64)
-    per_req = n * (lens + n)
-    start = torch.cumsum(per_req, 0) - per_req
-    ar = torch.arange(n, device=mask.device)
-    idx = (start[:, None, None] + ar[None, :, None] * (lens[:, None, None] + n)
-           + lens[:, None, None] + ar[None, None, :])
-    out.view(-1)[idx.reshape(-1)] = mask.reshape(-1).to(out.dtype)
 
 
 def build_graft_verify_input(tree: DraftTree, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int], *,
