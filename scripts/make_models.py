@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build the small real models graft-spec tests, quickstart and benchmarks run on.
 
-    python scripts/make_models.py [--quick] [--out DIR] [--device cpu] [--seed N] [--threads N]
+    python scripts/make_models.py [--quick] [--out DIR] [--device cpu] [--seed N] [--threads N] [--compile]
 
 Writes, under ``--out`` (default ``models/quick`` or ``models/default`` in the repository):
 
@@ -294,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="training device, e.g. cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    ap.add_argument("--no-compile", action="store_true", help="train eagerly (no torch.compile)")
+    ap.add_argument(
+        "--compile", action="store_true",
+        help="train with torch.compile (not bit-reproducible on CPU: inductor's parallel reductions "
+        "vary run to run; the default eager training gives the same checkpoint for the same seed, "
+        "machine and --threads)",
+    )
     args = ap.parse_args(argv)
 
     spec = PRESETS["quick" if args.quick else "default"]
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     # one build per output directory at a time (tests, quickstart and users may race)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        metrics = Builder(out, spec, args.seed, args.device, not args.no_compile).run()
+        metrics = Builder(out, spec, args.seed, args.device, args.compile).run()
     print(json.dumps({k: metrics[k] for k in ("target", "draft", "seconds")}, indent=2))
     print(f"models in {out} ({time.perf_counter() - t0:.0f}s this run)")
     return 0

@@ -92,8 +92,8 @@ def test_target_config_and_generation(quick_models, target, tokenizer):
 
 
 def test_target_beats_unigram_on_heldout(quick_models, target):
-    """Held-out loss must be well below the entropy of the unigram distribution (a model that
-    learnt nothing about context cannot beat it)."""
+    """Held-out loss must beat the training unigram distribution's cross-entropy by 0.3 nats (a
+    model that learnt nothing about context cannot beat it at all)."""
     root = quick_models.root
     evals = np.load(root / "data" / "eval.npy")
     counts = np.bincount(np.load(root / "data" / "train.npy"), minlength=target.config.vocab_size) + 1.0
