@@ -20,6 +20,8 @@ Vocabulary (paper = Graft, arXiv 2605.20104, Sec. 3; see docs in
 * ``retrieval``: successor matrix (token recycling), per-request suffix index,
   optional shared corpus.
 * ``graft``: how freed slots are filled.
+* ``stop_drafting_early``: once every request of a batch has fired a checkpoint, the drafter
+  skips its remaining steps (``prune.DraftStopGate``).
 
 Precedence in `load_config`: file < environment < explicit overrides.
 """
@@ -155,6 +157,10 @@ class GraftConfig(BaseModel):
     checkpoints: tuple[PruneStage, ...] = ()
     retrieval: RetrievalConfig = RetrievalConfig()
     graft: GraftPolicy = GraftPolicy()
+    stop_drafting_early: bool = Field(
+        default=True,
+        description="skip the remaining draft steps once every request of the batch has fired a "
+                    "checkpoint (eager execution; CUDA-graph replays always draft the full depth)")
 
     @model_validator(mode="after")
     def _check(self) -> "GraftConfig":

@@ -23,7 +23,7 @@ import torch
 from .config import PruneStage
 from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, top_mask
 
-__all__ = ["PruneResult", "checkpoint_confidence", "select_stage", "prune"]
+__all__ = ["PruneResult", "checkpoint_confidence", "select_stage", "prune", "DraftStopGate"]
 
 
 @dataclass
@@ -117,3 +117,51 @@ def prune(tree: DraftTree, checkpoints: Sequence[PruneStage], num_nodes: int) ->
     keep = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), keep_rest], dim=1)
     return PruneResult(keep=keep, stage=stage, budget=budget,
                        num_kept=keep_rest.sum(dim=1), confidence=conf)
+
+
+class DraftStopGate:
+    """Stops drafting early: the depth after which no request of a batch needs deeper draft nodes.
+
+    Paper Sec. 3.1 ("a low c_d stops the tree early"): once a request's checkpoint at depth d fires,
+    its budget is that stage's ``keep`` and the tree stops growing. A batched drafter (one forward
+    per depth for the whole batch, as SGLang's ``EagleDraftWorker.draft_forward``) can skip its
+    remaining forwards only when *every* request has fired; `observe` is called once per depth
+    with the best cumulative draft probability at that depth and says when that happens.
+
+    Consistency with `prune`: a request's first fired checkpoint depth is <= the stop depth, and
+    `prune` reads c_d only at checkpoint depths, so it selects the same stage from the truncated
+    tree as the gate did; the kept nodes are then the best ``keep`` among nodes of depth <= the
+    stop depth (nodes the drafter never produced must be given ``-inf`` log-prob by the caller).
+
+    Args:
+        checkpoints: validated stages (``GraftConfig.checkpoints``), increasing depth.
+        batch_size: B.
+        device: where the ``best`` tensors live.
+    """
+
+    def __init__(self, checkpoints: Sequence[PruneStage], batch_size: int, device=None):
+        self._thresholds = {c.depth: c.threshold for c in checkpoints}
+        self.fired = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        self.stop_depth: int | None = None
+
+    def observe(self, depth: int, best: torch.Tensor) -> bool:
+        """Record depth ``depth``'s confidence; True when drafting can stop after this depth.
+
+        Args:
+            depth: node depth of ``best`` (first draft tokens = 1), visited in increasing order.
+            best: ``float[B]`` best cumulative draft probability among depth-``depth`` nodes
+                (c_d, in [0, 1]).
+        Returns:
+            True once every request has fired a checkpoint at a depth <= ``depth`` (then
+            ``stop_depth`` = ``depth``); later calls keep returning True.
+        """
+        if self.stop_depth is not None:
+            return True
+        threshold = self._thresholds.get(depth)
+        if threshold is None:
+            return False
+        self.fired |= best.float() < threshold
+        if bool(self.fired.all()):
+            self.stop_depth = depth
+            return True
+        return False

@@ -2,10 +2,14 @@
 
 Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.py:1416``):
 
-1. **Draft** — unchanged EAGLE-3 drafting. `GraftDraftWorker.draft_forward` rebinds the module
+1. **Draft** — EAGLE-3 drafting. `GraftDraftWorker.draft_forward` rebinds the module
    global ``organize_draft_results`` (``eagle_worker_v2.py:919``) for the duration of the call so
    the dense tree's cumulative scores, tokens and parent list are copied into buffers allocated
-   once (the copy is recorded by CUDA-graph capture and refreshed by every replay).
+   once (the copy is recorded by CUDA-graph capture and refreshed by every replay). In eager
+   execution it also rebinds ``select_top_k_tokens`` (:812) to feed each depth's best cumulative
+   probability to ``graft_spec.prune.DraftStopGate``; once every request of the batch has fired a
+   checkpoint, the remaining draft forwards are skipped (paper Sec. 3.1: a low c_d stops the tree
+   early) and the nodes they would have produced get probability 0.
 2. **Prune -> retrieve -> graft** — `GraftDraftWorker.draft` rebinds ``build_eagle_verify_input``
    (``eagle_worker_v2.py:717``) to `GraftDraftWorker._build_verify_input`, which reranks the dense
    tree (``graft_spec.tree.eagle_rerank``), lets ``GraftPlanner.build`` prune, retrieve and graft
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from types import SimpleNamespace
 from typing import Iterator, List, Optional
 
 import torch
@@ -32,6 +37,7 @@ from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from graft_spec.pipeline import GraftPlanner
+from graft_spec.prune import DraftStopGate
 from graft_spec.tree import SOURCE_PADDING, eagle_rerank
 from sglang_patch.args import effective_graft_config
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, split_eagle_lists
@@ -82,6 +88,8 @@ class GraftDraftWorker(EagleDraftWorker):
 
     graft: "GraftWorker"
     _sink: Optional[_DenseTreeSink] = None
+    #: depth after which the last eager draft call stopped (None: the full depth was drafted)
+    _depth_limit: Optional[int] = None
 
     def _ensure_sink(self, bs: int) -> _DenseTreeSink:
         if self._sink is None or self._sink.scores.shape[0] < bs:
@@ -89,21 +97,70 @@ class GraftDraftWorker(EagleDraftWorker):
             self._sink = _DenseTreeSink(max(bs, pool), self.topk, self.speculative_num_steps, self.device)
         return self._sink
 
+    def _stop_gate(self, forward_batch) -> Optional[DraftStopGate]:
+        """A gate for this call, or None where drafting must run the full depth: disabled in the
+        config, no checkpoints, CUDA-graph capture (the decision is data-dependent), or a sampled
+        batch whose verify reads the draft distribution of every step."""
+        cfg = self.graft.config
+        if not cfg.stop_drafting_early or not cfg.checkpoints or forward_batch.forward_mode.is_idle():
+            return None
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        if get_spec().speculative_use_rejection_sampling and not forward_batch.sampling_info.is_all_greedy:
+            return None
+        return DraftStopGate(cfg.checkpoints, forward_batch.batch_size, device=self.device)
+
     def draft_forward(self, forward_batch):
-        """``EagleDraftWorker.draft_forward`` with the dense tree captured into `_DenseTreeSink`."""
-        original = _ev2.organize_draft_results
+        """``EagleDraftWorker.draft_forward`` with the dense tree captured into `_DenseTreeSink`
+        and, in eager execution, the draft forwards after the stop depth skipped."""
+        original_organize = _ev2.organize_draft_results
 
         def organize_and_capture(score_list, token_list, parents_list, num_draft_token):
-            parent_list, top_scores_index, draft_tokens = original(
+            parent_list, top_scores_index, draft_tokens = original_organize(
                 score_list, token_list, parents_list, num_draft_token)
             self._ensure_sink(score_list[0].shape[0]).capture(score_list, token_list, parent_list)
             return parent_list, top_scores_index, draft_tokens
 
-        with _rebound(_ev2, "organize_draft_results", organize_and_capture):
-            return super().draft_forward(forward_batch)
+        self._depth_limit = None
+        gate = self._stop_gate(forward_batch)
+        if gate is None:
+            with _rebound(_ev2, "organize_draft_results", organize_and_capture):
+                return super().draft_forward(forward_batch)
+
+        bs = forward_batch.batch_size
+        original_select = _ev2.select_top_k_tokens
+
+        def select_and_gate(i, *args):
+            out = original_select(i, *args)
+            if gate.stop_depth is None:  # out[3] = (cumulative scores of depth i+1, tokens, parents)
+                gate.observe(i + 1, out[3][0].reshape(bs, -1).amax(dim=1))
+            return out
+
+        runner, counters = self.draft_runner, self.graft.draft_steps
+        real_forward = runner.forward
+        vocab = (self.hot_token_id.numel() if self.hot_token_id is not None
+                 else runner.model_config.vocab_size)
+
+        def forward_unless_stopped(fb, *args, **kwargs):
+            if gate.stop_depth is None:
+                counters["run"] += 1
+                return real_forward(fb, *args, **kwargs)
+            counters["skipped"] += 1
+            return _skipped_draft_output(fb, vocab)
+
+        runner.forward = forward_unless_stopped  # instance attribute shadows the method
+        try:
+            with _rebound(_ev2, "organize_draft_results", organize_and_capture), \
+                    _rebound(_ev2, "select_top_k_tokens", select_and_gate):
+                result = super().draft_forward(forward_batch)
+        finally:
+            del runner.forward
+        self._depth_limit = gate.stop_depth
+        return result
 
     def draft(self, batch, *, with_topology: bool = False):
         """``EagleDraftWorker.draft`` building the graft tree instead of the EAGLE tree."""
+        self._depth_limit = None  # a CUDA-graph replay drafts the full depth
         with _rebound(_ev2, "build_eagle_verify_input", self._build_verify_input):
             return super().draft(batch, with_topology=with_topology)
 
@@ -118,7 +175,11 @@ class GraftDraftWorker(EagleDraftWorker):
         if sink is None or sink.scores.shape[0] < bs:
             # Rows [:bs] are written by the eager call or by the graph replay (padded bs >= bs).
             raise RuntimeError(f"graft: the dense draft tree of batch size {bs} was not captured")
-        lists = split_eagle_lists(sink.scores[:bs], sink.tokens[:bs], sink.parents[:bs], topk, num_steps)
+        scores, tokens, parents = split_eagle_lists(sink.scores[:bs], sink.tokens[:bs], sink.parents[:bs],
+                                                    topk, num_steps)
+        if self._depth_limit is not None:  # nodes deeper than the stop depth were never drafted
+            scores = [x if i < self._depth_limit else torch.zeros_like(x) for i, x in enumerate(scores)]
+        lists = (scores, tokens, parents)
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         draft = eagle_rerank(*lists, root_tokens=roots, num_nodes=num_draft_tokens)
 
@@ -136,6 +197,17 @@ class GraftDraftWorker(EagleDraftWorker):
         return build_graft_verify_input(
             hybrid, batch.seq_lens, seq_lens_cpu, mode=mode, topk=topk, steps=num_steps,
             mask_buffer=buffer, fill_prefix=fill)
+
+
+def _skipped_draft_output(forward_batch, vocab: int) -> SimpleNamespace:
+    """Stands in for ``ModelRunner.forward``'s output at a skipped draft step: uniform logits
+    ``float32[n, vocab]`` and zero hidden states ``[n, H]`` (n = the step's input tokens). The
+    candidates drafted from them are given probability 0 in ``_build_verify_input``."""
+    hidden = forward_batch.spec_info.hidden_states
+    n = forward_batch.input_ids.shape[0]
+    logits = torch.zeros(n, vocab, dtype=torch.float32, device=hidden.device)
+    states = torch.zeros(n, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    return SimpleNamespace(logits_output=SimpleNamespace(next_token_logits=logits, hidden_states=states))
 
 
 class GraftWorker(EAGLEWorkerV2):
@@ -160,6 +232,8 @@ class GraftWorker(EAGLEWorkerV2):
         self.planner = GraftPlanner(self.config, vocab_size=vocab, device="cpu")
         self.requests = GraftRequestTracker(self.planner)
         self.successor_k = self.config.retrieval.successor_k if self.config.retrieval.successor else 0
+        #: eager draft forwards run / skipped by the stop gate since start (server stats)
+        self.draft_steps = {"run": 0, "skipped": 0}
         if self._draft_worker is not None:
             self._draft_worker.__class__ = GraftDraftWorker
             self._draft_worker.graft = self

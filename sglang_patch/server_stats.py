@@ -17,6 +17,7 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
     queues:        running, waiting
     leak_warnings: SGLang's own idle invariant check (KV pool / req pool leak warnings so far)
     worker:        (graft only) live_requests (tracker), planner_live_requests, finished_total,
+                   draft_steps {run, skipped} (eager draft forwards; skipped = stopped early),
                    planner_memory_bytes, memory_bytes_by_source {name: bytes},
                    suffix_max_nodes_per_request (largest live suffix trie), suffix_rebuilds,
                    accepted_by_source {draft, retrieved, padding} (cumulative, finished + live),
@@ -102,6 +103,7 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
         "live_requests": int(worker.live_graft_requests()),
         "planner_live_requests": _safe(lambda: int(planner.live_requests())),
         "finished_total": _safe(lambda: int(tracker.finished_total)),
+        "draft_steps": _safe(lambda: dict(worker.draft_steps)),
         "planner_memory_bytes": _safe(lambda: int(planner.memory_bytes())),
         "memory_bytes_by_source": {getattr(src, "name", type(src).__name__):
                                    _safe(lambda src=src: int(src.memory_bytes())) for src in sources},

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from graft_spec.config import GraftPolicy, PruneStage
 from graft_spec.graft import graft, path_hashes
-from graft_spec.prune import prune
+from graft_spec.prune import DraftStopGate, prune
 from graft_spec.retrieval.base import Candidates
 from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank,
                              has_duplicate_siblings, node_depths, validate_parents)
@@ -180,6 +180,54 @@ def test_prune_stage_and_closure(seed, thr):
         worst_kept = min(d.logp[r, i].item() for i in kept)
         best_dropped = max((d.logp[r, i].item() for i in range(1, n) if not pr.keep[r, i]), default=-math.inf)
         assert worst_kept >= best_dropped
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("full", [False, True])
+def test_stop_gate_truncated_tree_prunes_to_the_gate_stage(seed, full):
+    """Drafting stopped by DraftStopGate, the never-drafted depths at probability 0 (what the
+    SGLang worker does): prune picks a stage at or before the stop depth and keeps only drafted
+    nodes; with every candidate in the tree (full) the stage is exactly the gate's first fired one."""
+    gen = torch.Generator().manual_seed(seed)
+    b, topk, steps = 6, 3, 5
+    sl, tl, pl = fake_eagle_lists(b, topk, steps, 12, gen)
+    stages = [PruneStage(depth=1, threshold=0.6, keep=3), PruneStage(depth=2, threshold=0.45, keep=7),
+              PruneStage(depth=4, threshold=0.3, keep=12)]
+    n = 1 + topk + (steps - 1) * topk * topk if full else 20
+    gate = DraftStopGate(stages, b)
+    best = [s.reshape(b, -1).amax(dim=1) for s in sl]
+    for i in range(steps):
+        if gate.observe(i + 1, best[i]):
+            break
+    stop = gate.stop_depth
+    first = []
+    for r in range(b):
+        fired = [k for k, st_ in enumerate(stages) if best[st_.depth - 1][r] < st_.threshold]
+        first.append(fired[0] if fired else -1)
+    if stop is None:
+        assert -1 in first
+        return
+    assert all(f >= 0 and stages[f].depth <= stop for f in first)
+    assert stop == max(stages[f].depth for f in first)
+    truncated = [x if i < stop else torch.zeros_like(x) for i, x in enumerate(sl)]
+    d = eagle_rerank(truncated, tl, pl, torch.full((b,), 3, dtype=torch.int64), n)
+    pr = prune(d, stages, n)
+    dep = node_depths(d.parents)
+    assert not (pr.keep & (dep > stop)).any(), "a never-drafted node was kept"
+    for r in range(b):
+        assert pr.stage[r] >= 0 and stages[int(pr.stage[r])].depth <= stop
+        if full:
+            assert int(pr.stage[r]) == first[r]
+
+
+def test_stop_gate_waits_for_every_request():
+    gate = DraftStopGate([PruneStage(depth=1, threshold=0.5, keep=2), PruneStage(depth=3, threshold=0.2, keep=5)], 2)
+    assert not gate.observe(1, torch.tensor([0.4, 0.9]))   # request 1 is confident at depth 1
+    assert not gate.observe(2, torch.tensor([0.1, 0.1]))   # no checkpoint at depth 2
+    assert gate.observe(3, torch.tensor([0.3, 0.1])) and gate.stop_depth == 3
+    assert gate.observe(4, torch.tensor([0.9, 0.9]))       # stays stopped
+    never = DraftStopGate([PruneStage(depth=1, threshold=0.5, keep=2)], 2)
+    assert not never.observe(1, torch.tensor([0.6, 0.7])) and never.stop_depth is None
 
 
 def test_prune_missing_depth_fires():

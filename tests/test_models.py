@@ -261,3 +261,22 @@ def test_sglang_serves_the_pair_with_the_predicted_acceptance(quick_models, targ
     print(f"\naccept length: SGLang {theirs:.3f}, replay of the training forward {ours:.3f}")
     assert theirs > 1.2
     assert abs(theirs - ours) < 0.05 * ours, (theirs, ours)
+
+
+def test_calibrated_checkpoints_fire_at_the_asked_rate(quick_models):
+    """scripts/calibrate_checkpoints.py: thresholds are the fire-rate quantiles of the estimated c_d,
+    make a valid GraftConfig, and are far below the 8B-head values for the tiny quick head."""
+    from calibrate_checkpoints import checkpoints_for, confidence_samples
+
+    from graft_spec.config import GraftConfig
+
+    conf = confidence_samples(quick_models.root, 4, max_tokens=4096)
+    assert conf.shape[1] == 4 and conf.shape[0] > 1000
+    assert (np.diff(conf, axis=1) <= 1e-12).all()  # cumulative probabilities never grow with depth
+    cps = checkpoints_for(conf, 24, 4, 0.3)
+    GraftConfig(num_draft_tokens=24, topk=4, depth=4, checkpoints=cps)
+    assert [c["depth"] for c in cps] == [1, 2, 3]
+    for c in cps:
+        rate = float((conf[:, c["depth"] - 1] < c["threshold"]).mean())
+        assert abs(rate - 0.3) < 0.02, (c, rate)
+    assert cps[0]["threshold"] < 0.35

@@ -10,6 +10,7 @@ What must hold:
 * on the code prompts graft's mean accept length is >= EAGLE-3's at the same N, and grafted nodes
   contribute accepted tokens;
 * sampling (T=0.8, top-p 0.95) runs with accept length > 1;
+* low-confidence rounds stop drafting early (skipped draft forwards in ``/server_info``);
 * per-request graft state is freed for finished and aborted requests (server log).
 """
 
@@ -132,6 +133,16 @@ def test_accept_length_not_below_eagle3_and_grafts_contribute(graft_code_c1, eag
     print("\nSGLANG-GRAFT-ACCEPT", json.dumps(summary))
     assert src.count("r") > 0, "no grafted (retrieved) node was ever accepted"
     assert tau_graft >= tau_eagle, summary
+
+
+def test_drafting_stops_early_on_low_confidence(graft, graft_code_c1, record_property):
+    """configs/quick.yaml's checkpoints fire often on the tiny draft: the worker skips draft forwards
+    (the greedy equality tests above ran with those skips)."""
+    info = httpx.get(f"{graft.url}/server_info", timeout=60).json()
+    steps = info["internal_states"][0]["graft"]["worker"]["draft_steps"]
+    record_property("draft_steps", json.dumps(steps))
+    print("\nSGLANG-GRAFT-DRAFT-STEPS", json.dumps(steps))
+    assert steps["run"] > 0 and steps["skipped"] > 0, steps
 
 
 def test_meta_info_sources_cover_every_output_token(graft_code_c1):

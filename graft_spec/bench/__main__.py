@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 from tqdm import tqdm
 
 from graft_spec.bench.client import run_prompts_sync, sampling_params
-from graft_spec.bench.methods import MethodSpec, build_methods
+from graft_spec.bench.methods import STAGE_THRESHOLDS, MethodSpec, build_methods
 from graft_spec.bench.prompts import load_prompts
 from graft_spec.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_json, write_plots
 
@@ -39,6 +39,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dense-n", type=int, default=60, help="N of the EAGLE3-dense reference")
     p.add_argument("--depth", type=int, default=7, help="draft steps of the dense reference")
     p.add_argument("--topk", type=int, default=10, help="top-k of the dense reference")
+    p.add_argument("--thresholds", type=float, nargs=3, default=None, metavar=("T1", "T2", "T_LAST"),
+                   help="pruning thresholds at depths 1, 2 and depth-1 (default: 0.35 0.25 0.15, the "
+                        "8B-head values; scripts/calibrate_checkpoints.py prints a model's own)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--graft-config", default=None, help="base GraftConfig file for the graft variants")
     p.add_argument("--server-args", default="--dtype float32 --max-running-requests 16",
@@ -59,6 +62,17 @@ def _render_chat(target: str):
     return render
 
 
+def _draft_steps(url: str) -> Dict[str, int] | None:
+    """Graft worker's cumulative eager draft forwards {run, skipped} (``/server_info``), or None."""
+    import httpx
+
+    try:
+        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        return dict(info["internal_states"][0]["graft"]["worker"]["draft_steps"])
+    except Exception:  # other methods have no graft worker
+        return None
+
+
 def main(argv: List[str] | None = None) -> int:
     """Run the benchmark; returns the process exit code (1 when any greedy output differs)."""
     from sglang_patch.launcher import SGLangServer
@@ -68,7 +82,8 @@ def main(argv: List[str] | None = None) -> int:
     prompts = [p for f in a.prompts for p in load_prompts(f, a.num_prompts, render)]
     params = sampling_params(a.max_tokens)
     methods: List[MethodSpec] = build_methods(a.methods, a.budgets, a.dense_n, a.depth, a.topk,
-                                              a.draft, a.graft_config)
+                                              a.draft, a.graft_config,
+                                              tuple(a.thresholds) if a.thresholds else STAGE_THRESHOLDS)
     out = Path(a.json)
     work = Path(tempfile.mkdtemp(prefix="graft_bench_"))
     rows: List[Dict[str, Any]] = []
@@ -86,9 +101,13 @@ def main(argv: List[str] | None = None) -> int:
             run_prompts_sync(srv.url, prompts[:2], 1, params)  # warm-up
             for c in a.concurrency:
                 bar.set_postfix_str(f"{m.label} c={c}")
+                before = _draft_steps(srv.url)
                 run = run_prompts_sync(srv.url, prompts, c, params)
+                after = _draft_steps(srv.url)
                 row = {"method": m.method, "label": m.label, "num_draft_tokens": m.num_draft_tokens,
                        "concurrency": c, "startup_s": startup, **summarize(run, m.num_draft_tokens or 1)}
+                if before is not None and after is not None:
+                    row["draft_forwards"] = {k: after[k] - before[k] for k in after}
                 outputs = [r.output_ids for r in run.results]
                 if m.method == "nospec":
                     reference[c] = outputs

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-#: Share of the budget N kept as draft nodes at each pruning stage, and the stages' thresholds
-#: (paper setting 8 / 24 / 40 of 60; thresholds from configs/qwen3-8b.yaml).
+#: Share of the budget N kept as draft nodes at each pruning stage, and the stages' default
+#: thresholds (paper setting 8 / 24 / 40 of 60; thresholds from configs/qwen3-8b.yaml). Small heads
+#: need their own thresholds: ``--thresholds`` (scripts/calibrate_checkpoints.py prints them).
 STAGE_KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
 STAGE_THRESHOLDS = (0.35, 0.25, 0.15)
 _NO_RETRIEVAL = {"successor": False, "suffix": False, "corpus": False}
@@ -22,8 +23,10 @@ GRAFT_VARIANTS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def stage_checkpoints(n: int, depth: int, variant: str) -> List[Dict[str, Any]]:
-    """Pruning checkpoints for budget ``n`` and draft ``depth`` (node depths 1, 2, depth-1).
+def stage_checkpoints(n: int, depth: int, variant: str,
+                      thresholds: Sequence[float] = STAGE_THRESHOLDS) -> List[Dict[str, Any]]:
+    """Pruning checkpoints for budget ``n`` and draft ``depth`` (node depths 1, 2, depth-1), with
+    ``thresholds`` for those three depths.
 
     ``retrieval_only`` gets a single stage at depth 1 that fires unless c_1 >= 0.999999 and keeps
     one draft node (GraftConfig requires keep >= 1).
@@ -33,7 +36,7 @@ def stage_checkpoints(n: int, depth: int, variant: str) -> List[Dict[str, Any]]:
     depths = sorted({1, min(2, depth), max(depth - 1, 1)})
     out: List[Dict[str, Any]] = []
     prev = 0
-    for d, f, th in zip(depths, STAGE_KEEP_FRACTIONS, STAGE_THRESHOLDS):
+    for d, f, th in zip(depths, STAGE_KEEP_FRACTIONS, thresholds):
         keep = max(prev + 1, round(n * f))
         if keep >= n:
             break
@@ -97,7 +100,8 @@ def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> None:
 
 
 def build_methods(names: List[str], budgets: List[int], dense_n: int, depth: int, topk: int,
-                  draft: str, base_graft_config: Optional[str]) -> List[MethodSpec]:
+                  draft: str, base_graft_config: Optional[str],
+                  thresholds: Sequence[float] = STAGE_THRESHOLDS) -> List[MethodSpec]:
     """Expand method names over the budgets. ``nospec`` runs first (it is every run's reference).
 
     Raises:
@@ -117,6 +121,6 @@ def build_methods(names: List[str], budgets: List[int], dense_n: int, depth: int
             out.append(MethodSpec("eagle3", f"eagle3_n{n}", n, depth, topk, draft))
         for v in GRAFT_VARIANTS:
             if v in names:
-                over = {**GRAFT_VARIANTS[v], "checkpoints": stage_checkpoints(n, depth, v)}
+                over = {**GRAFT_VARIANTS[v], "checkpoints": stage_checkpoints(n, depth, v, thresholds)}
                 out.append(MethodSpec(v, f"{v}_n{n}", n, depth, topk, draft, over, base_graft_config))
     return out
