@@ -280,3 +280,14 @@ def test_calibrated_checkpoints_fire_at_the_asked_rate(quick_models):
         rate = float((conf[:, c["depth"] - 1] < c["threshold"]).mean())
         assert abs(rate - 0.3) < 0.02, (c, rate)
     assert cps[0]["threshold"] < 0.35
+
+
+def test_default_preset_target_is_10_to_25m_parameters():
+    """The default size (benchmarks) is a 10-25 M parameter Qwen3 target (initialised, not trained)."""
+    from modelmaking.sizes import DEFAULT
+    from modelmaking.target import build_config, init_model
+
+    ids = {"endoftext": 0, "im_start": 1, "im_end": 2}
+    model = init_model(build_config(DEFAULT.target, DEFAULT.vocab_size, ids), 0)
+    params = sum(p.numel() for p in model.parameters())
+    assert 10e6 <= params <= 25e6, params
