@@ -8,6 +8,7 @@ adds what tests need around it:
 * `generate` / `generate_many` - ``/generate`` with ``input_ids`` (token ids in, token ids out),
   concurrency via threads.
 * `accept_length` - mean accept length from ``meta_info`` (completion tokens / verify rounds).
+* `stream_text` - the text of an OpenAI-style SSE stream (``/v1/completions`` or chat).
 
 Usage::
 
@@ -20,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import time
@@ -32,7 +34,7 @@ import httpx
 from sglang_patch.launcher import CPU_SERVER_ARGS, SGLangServer, ServerStartError, free_port
 
 __all__ = ["CPU_SERVER_ARGS", "SGLangServer", "ServerStartError", "free_port", "serve", "generate",
-           "generate_many", "accept_length"]
+           "generate_many", "accept_length", "stream_text"]
 
 #: Generous per-request HTTP timeout (s) for 2-core CPU runs; tests bound their own total time.
 REQUEST_TIMEOUT_S = 600.0
@@ -94,3 +96,25 @@ def accept_length(results: Sequence[dict]) -> float:
     rounds = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)
     assert rounds > 0, "the server reported no speculative verify rounds"
     return tokens / rounds
+
+
+def stream_text(url: str, body: dict, chat: bool) -> str:
+    """POST ``body`` (with ``"stream": true``) to an OpenAI-style endpoint and join the streamed
+    text pieces (``delta.content`` for chat, ``text`` otherwise). Asserts the stream ends with
+    ``[DONE]``."""
+    parts, done = [], False
+    with httpx.stream("POST", url, json=body, timeout=REQUEST_TIMEOUT_S) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            choices = json.loads(data)["choices"]
+            if choices:
+                piece = choices[0]["delta"].get("content") if chat else choices[0].get("text")
+                parts.append(piece or "")
+    assert done, "stream did not end with [DONE]"
+    return "".join(parts)

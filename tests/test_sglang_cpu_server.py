@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_server import accept_length, generate_many, serve  # noqa: E402
+from sglang_server import accept_length, generate_many, serve, stream_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "models" / "quick"
@@ -87,24 +87,6 @@ def _check_lossless(url: str, reference: list[list[int]], concurrency: int, labe
     return acc
 
 
-def _stream_text(url: str, body: dict, piece) -> str:
-    text, done = [], False
-    with httpx.stream("POST", url, json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            if chunk.get("choices"):
-                text.append(piece(chunk))
-    assert done, "stream did not end with [DONE]"
-    return "".join(text)
-
-
 class TestTree:
     """EAGLE-3 top-k 4 tree, SGLang's default synchronous spec v2 scheduler on CPU."""
 
@@ -121,8 +103,8 @@ class TestTree:
         comp.raise_for_status()
         text = comp.json()["choices"][0]["text"]
         assert comp.json()["usage"]["completion_tokens"] == 16
-        streamed = _stream_text(f"{tree.url}/v1/completions", {**base, "prompt": "def fib(n):\n", "stream": True},
-                                lambda c: c["choices"][0].get("text") or "")
+        streamed = stream_text(f"{tree.url}/v1/completions", {**base, "prompt": "def fib(n):\n", "stream": True},
+                               chat=False)
         assert streamed == text
 
         msgs = [{"role": "user", "content": "Write a function that reverses a list."}]
@@ -130,8 +112,8 @@ class TestTree:
         chat.raise_for_status()
         answer = chat.json()["choices"][0]["message"]["content"]
         assert chat.json()["usage"]["completion_tokens"] == 16
-        streamed = _stream_text(f"{tree.url}/v1/chat/completions", {**base, "messages": msgs, "stream": True},
-                                lambda c: c["choices"][0]["delta"].get("content") or "")
+        streamed = stream_text(f"{tree.url}/v1/chat/completions", {**base, "messages": msgs, "stream": True},
+                               chat=True)
         assert streamed == answer
 
     def test_sampled_requests_use_sampling_verify(self, tree):

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_server import stream_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "models" / "quick"
@@ -164,7 +168,7 @@ def test_openai_endpoints_streaming_and_not(graft):
         plain = c.post(f"{url}/completions", json=body).json()
         text = plain["choices"][0]["text"]
         assert text and plain["usage"]["completion_tokens"] > 0
-        streamed = _stream_text(c, f"{url}/completions", {**body, "stream": True}, chat=False)
+        streamed = stream_text(f"{url}/completions", {**body, "stream": True}, chat=False)
         assert streamed == text
 
         msgs = [{"role": "user", "content": CHAT[0]}]
@@ -172,28 +176,8 @@ def test_openai_endpoints_streaming_and_not(graft):
         plain = c.post(f"{url}/chat/completions", json=body).json()
         content = plain["choices"][0]["message"]["content"]
         assert content and plain["usage"]["completion_tokens"] > 0
-        streamed = _stream_text(c, f"{url}/chat/completions", {**body, "stream": True}, chat=True)
+        streamed = stream_text(f"{url}/chat/completions", {**body, "stream": True}, chat=True)
         assert streamed == content
-
-
-def _stream_text(client: httpx.Client, url: str, body: dict, chat: bool) -> str:
-    parts, done = [], False
-    with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            choice = json.loads(data)["choices"]
-            if not choice:
-                continue
-            piece = choice[0]["delta"].get("content") if chat else choice[0].get("text")
-            parts.append(piece or "")
-    assert done, "stream did not end with [DONE]"
-    return "".join(parts)
 
 
 def test_sampling_accepts_more_than_one_token(graft):
