@@ -54,6 +54,7 @@ setsid "$PY" -m sglang.launch_server \
   --mem-fraction-static 0.5 --max-total-tokens 65536 --sleep-on-idle \
   --host 127.0.0.1 --port "$PORT" ${QUICKSTART_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
+disown "$SERVER_PID" 2>/dev/null || true  # stop_server reaps it; no "Killed" job report
 echo "quickstart: server pid $SERVER_PID on 127.0.0.1:$PORT (log: $LOG)"
 
 for _ in $(seq 1 600); do
