@@ -1,7 +1,7 @@
 """Shared pytest fixtures.
 
 ``quick_models``: the small real target + EAGLE-3 head from ``scripts/make_models.py --quick``,
-built into ``models/quick`` (a few minutes on 2 CPU cores) and reused afterwards.
+built into ``models/quick`` (about a minute on 2 CPU cores) and reused while the preset is unchanged.
 
 The build runs at session start, before collection, because some server-test modules read the
 models' tokenizer at import time (prompt ids) and skip when the models are absent: built at
@@ -32,15 +32,23 @@ class ModelPaths:
     metrics: Path
 
 
-def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
-    """Build (or finish building) models into ``root`` unless ``root/DONE`` exists.
+_CHECKED: set = set()
 
-    Concurrent builders serialise on a lock file next to ``root`` (taken by make_models.py), and
-    the builder skips completed stages. Raises ``subprocess.CalledProcessError`` if the build fails.
+
+def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
+    """Build, finish or refresh the models in ``root`` (once per test session).
+
+    Always runs make_models.py, which skips every stage whose fingerprint (preset fields, seed,
+    Python version, upstream stages) matches, in a few seconds; so models left by an older preset
+    are rebuilt instead of silently reused (a stale local ``models/quick`` once hid a preset
+    change that CI then built from scratch). Concurrent builders serialise on a lock file next to
+    ``root`` (taken by make_models.py). Raises ``subprocess.CalledProcessError`` if the build fails.
     """
-    if not (root / "DONE").exists():
+    key = (str(root), quick)
+    if key not in _CHECKED:
         cmd = [sys.executable, str(REPO / "scripts" / "make_models.py"), "--out", str(root)]
         subprocess.run(cmd + (["--quick"] if quick else []), check=True)
+        _CHECKED.add(key)
     return ModelPaths(root, root / "target", root / "draft", root / "metrics.json")
 
 
