@@ -13,9 +13,10 @@ top-1 probability 0.08), so those thresholds fire on every round.
 This script estimates, on held-out text, c_d for every position as the product of the head's
 top-1 probabilities over the first d unrolled draft steps (the training-time-test forward that
 matches SGLang's draft forward, ``modelmaking.eagle3``), and sets tau_d to the ``fire-rate``
-quantile of c_d: each checkpoint alone fires on about that share of rounds. Checkpoint depths
-are 1, 2 and depth - 1; kept draft nodes are 8/60, 24/60 and 40/60 of the budget (the paper's
-8 / 24 / 40 of 60). Writes a GraftConfig YAML (validated) to ``--out`` or stdout.
+quantile of c_d: each checkpoint alone fires on about that share of rounds. Checkpoint depths and
+kept draft nodes are the benchmark's (``graft_spec.bench.methods.stage_checkpoints``: depths 1, 2
+and depth - 1 keeping 8/60, 24/60 and 40/60 of the budget, the paper's 8 / 24 / 40 of 60).
+Writes a GraftConfig YAML (validated) to ``--out`` or stdout.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 
+from graft_spec.bench.methods import stage_checkpoints, stage_depths  # noqa: E402
 from modelmaking.data import eval_windows  # noqa: E402
 from modelmaking.eagle3 import load_draft  # noqa: E402
 from modelmaking.features import target_features  # noqa: E402
 from modelmaking.target import load_target  # noqa: E402
-
-KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
 
 
 @torch.no_grad()
@@ -58,17 +58,11 @@ def confidence_samples(models: Path, depth: int, max_tokens: int = 16384, seq_le
 
 
 def checkpoints_for(conf: np.ndarray, budget: int, depth: int, fire_rate: float) -> list[dict]:
-    """Checkpoint list (depths 1, 2, depth - 1; thresholds at the fire-rate quantile of c_d)."""
-    depths = sorted({1, min(2, depth), max(depth - 1, 1)})
-    out, prev = [], 0
-    for d, frac in zip(depths, KEEP_FRACTIONS):
-        keep = max(prev + 1, round(budget * frac))
-        if keep >= budget:
-            break
-        thr = float(np.quantile(conf[:, d - 1], fire_rate))
-        out.append({"depth": d, "threshold": float(f"{min(max(thr, 1e-6), 0.999):.4g}"), "keep": keep})
-        prev = keep
-    return out
+    """The benchmark's checkpoint list, thresholds at the fire-rate quantile of c_d (4 significant
+    digits, clamped to [1e-6, 0.999])."""
+    thresholds = [float(f"{min(max(float(np.quantile(conf[:, d - 1], fire_rate)), 1e-6), 0.999):.4g}")
+                  for d in stage_depths(depth)]
+    return stage_checkpoints(budget, depth, "graft", thresholds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,11 @@ GRAFT_VARIANTS: Dict[str, Dict[str, Any]] = {
 }
 
 
+def stage_depths(depth: int) -> List[int]:
+    """Checkpoint node depths for a draft of ``depth`` steps: 1, 2 and depth-1 (deduplicated)."""
+    return sorted({1, min(2, depth), max(depth - 1, 1)})
+
+
 def stage_checkpoints(n: int, depth: int, variant: str,
                       thresholds: Sequence[float] = STAGE_THRESHOLDS) -> List[Dict[str, Any]]:
     """Pruning checkpoints for budget ``n`` and draft ``depth`` (node depths 1, 2, depth-1), with
@@ -33,7 +38,7 @@ def stage_checkpoints(n: int, depth: int, variant: str,
     """
     if variant == "retrieval_only":
         return [{"depth": 1, "threshold": 0.999999, "keep": 1}]
-    depths = sorted({1, min(2, depth), max(depth - 1, 1)})
+    depths = stage_depths(depth)
     out: List[Dict[str, Any]] = []
     prev = 0
     for d, f, th in zip(depths, STAGE_KEEP_FRACTIONS, thresholds):
