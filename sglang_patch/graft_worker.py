@@ -47,14 +47,20 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _rebound(module, name: str, value) -> Iterator[None]:
-    """Temporarily replace ``module.name`` (a global the EAGLE code looks up at call time)."""
-    original = getattr(module, name)
-    setattr(module, name, value)
+def _rebound(owner, name: str, value) -> Iterator[None]:
+    """Temporarily replace ``owner.name``: a module global the EAGLE code looks up at call time,
+    or a method shadowed by an instance attribute (removed afterwards, so the class's method
+    is back rather than a stored bound copy)."""
+    had_own = name in vars(owner)
+    original = vars(owner).get(name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 class _DenseTreeSink:
@@ -98,21 +104,21 @@ class GraftDraftWorker(EagleDraftWorker):
         return self._sink
 
     def _stop_gate(self, forward_batch) -> Optional[DraftStopGate]:
-        """A gate for this call, or None where drafting must run the full depth: disabled in the
-        config, no checkpoints, CUDA-graph capture (the decision is data-dependent), or a sampled
-        batch whose verify reads the draft distribution of every step."""
+        """A gate for this eager call, or None where drafting must run the full depth: disabled
+        in the config, no checkpoints, or a sampled batch whose verify reads the draft
+        distribution of every step."""
         cfg = self.graft.config
         if not cfg.stop_drafting_early or not cfg.checkpoints or forward_batch.forward_mode.is_idle():
-            return None
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return None
         if get_spec().speculative_use_rejection_sampling and not forward_batch.sampling_info.is_all_greedy:
             return None
         return DraftStopGate(cfg.checkpoints, forward_batch.batch_size, device=self.device)
 
     def draft_forward(self, forward_batch):
-        """``EagleDraftWorker.draft_forward`` with the dense tree captured into `_DenseTreeSink`
-        and, in eager execution, the draft forwards after the stop depth skipped."""
+        """``EagleDraftWorker.draft_forward`` with the dense tree captured into `_DenseTreeSink`;
+        in eager execution the draft forwards are counted and, with a stop gate, those after the
+        stop depth skipped. CUDA-graph capture gets the capture only (the stop decision is
+        data-dependent and a replay runs no Python)."""
         original_organize = _ev2.organize_draft_results
 
         def organize_and_capture(score_list, token_list, parents_list, num_draft_token):
@@ -122,40 +128,22 @@ class GraftDraftWorker(EagleDraftWorker):
             return parent_list, top_scores_index, draft_tokens
 
         self._depth_limit = None
-        gate = self._stop_gate(forward_batch)
-        if gate is None:
-            with _rebound(_ev2, "organize_draft_results", organize_and_capture):
-                return super().draft_forward(forward_batch)
-
-        bs = forward_batch.batch_size
-        original_select = _ev2.select_top_k_tokens
-
-        def select_and_gate(i, *args):
-            out = original_select(i, *args)
-            if gate.stop_depth is None:  # out[3] = (cumulative scores of depth i+1, tokens, parents)
-                gate.observe(i + 1, out[3][0].reshape(bs, -1).amax(dim=1))
-            return out
-
-        runner, counters = self.draft_runner, self.graft.draft_steps
-        real_forward = runner.forward
-        vocab = (self.hot_token_id.numel() if self.hot_token_id is not None
-                 else runner.model_config.vocab_size)
-
-        def forward_unless_stopped(fb, *args, **kwargs):
-            if gate.stop_depth is None:
-                counters["run"] += 1
-                return real_forward(fb, *args, **kwargs)
-            counters["skipped"] += 1
-            return _skipped_draft_output(fb, vocab)
-
-        runner.forward = forward_unless_stopped  # instance attribute shadows the method
-        try:
-            with _rebound(_ev2, "organize_draft_results", organize_and_capture), \
-                    _rebound(_ev2, "select_top_k_tokens", select_and_gate):
-                result = super().draft_forward(forward_batch)
-        finally:
-            del runner.forward
-        self._depth_limit = gate.stop_depth
+        eager = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        gate = self._stop_gate(forward_batch) if eager else None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_rebound(_ev2, "organize_draft_results", organize_and_capture))
+            if gate is not None:
+                stack.enter_context(_rebound(_ev2, "select_top_k_tokens",
+                                             _gated_select(_ev2.select_top_k_tokens, gate,
+                                                           forward_batch.batch_size)))
+            if eager:
+                runner = self.draft_runner
+                vocab = (self.hot_token_id.numel() if self.hot_token_id is not None
+                         else runner.model_config.vocab_size)
+                stack.enter_context(_rebound(runner, "forward", _counted_forward(
+                    runner.forward, gate, self.graft.draft_steps, vocab)))
+            result = super().draft_forward(forward_batch)
+        self._depth_limit = gate.stop_depth if gate is not None else None
         return result
 
     def draft(self, batch, *, with_topology: bool = False):
@@ -197,6 +185,33 @@ class GraftDraftWorker(EagleDraftWorker):
         return build_graft_verify_input(
             hybrid, batch.seq_lens, seq_lens_cpu, mode=mode, topk=topk, steps=num_steps,
             mask_buffer=buffer, fill_prefix=fill)
+
+
+def _gated_select(select, gate: DraftStopGate, bs: int):
+    """``select_top_k_tokens`` that reports each depth's best cumulative draft probability to
+    ``gate`` (its 4th result is ``(scores of depth i+1, tokens, parents)``)."""
+
+    def select_and_gate(i, *args):
+        out = select(i, *args)
+        if gate.stop_depth is None:
+            gate.observe(i + 1, out[3][0].reshape(bs, -1).amax(dim=1))
+        return out
+
+    return select_and_gate
+
+
+def _counted_forward(forward, gate: Optional[DraftStopGate], counters: dict, vocab: int):
+    """``ModelRunner.forward`` of the draft that counts into ``counters`` {run, skipped} and,
+    once ``gate`` has stopped, returns `_skipped_draft_output` instead of running."""
+
+    def forward_unless_stopped(fb, *args, **kwargs):
+        if gate is None or gate.stop_depth is None:
+            counters["run"] += 1
+            return forward(fb, *args, **kwargs)
+        counters["skipped"] += 1
+        return _skipped_draft_output(fb, vocab)
+
+    return forward_unless_stopped
 
 
 def _skipped_draft_output(forward_batch, vocab: int) -> SimpleNamespace:

@@ -17,7 +17,7 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
     queues:        running, waiting
     leak_warnings: SGLang's own idle invariant check (KV pool / req pool leak warnings so far)
     worker:        (graft only) live_requests (tracker), planner_live_requests, finished_total,
-                   draft_steps {run, skipped} (eager draft forwards; skipped = stopped early),
+                   draft_steps {run, skipped} (eager draft forwards run; skipped by the stop gate),
                    planner_memory_bytes, memory_bytes_by_source {name: bytes},
                    suffix_max_nodes_per_request (largest live suffix trie), suffix_rebuilds,
                    accepted_by_source {draft, retrieved, padding} (cumulative, finished + live),
