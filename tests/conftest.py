@@ -11,6 +11,7 @@ quick core-only runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -32,11 +33,9 @@ class ModelPaths:
     metrics: Path
 
 
-_CHECKED: set = set()
-
-
+@functools.cache
 def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
-    """Build, finish or refresh the models in ``root`` (once per test session).
+    """Build, finish or refresh the models in ``root`` (once per test session: cached).
 
     Always runs make_models.py, which skips every stage whose fingerprint (preset fields, seed,
     Python version, upstream stages) matches, in a few seconds; so models left by an older preset
@@ -44,11 +43,8 @@ def ensure_models(root: Path, quick: bool = True) -> ModelPaths:
     change that CI then built from scratch). Concurrent builders serialise on a lock file next to
     ``root`` (taken by make_models.py). Raises ``subprocess.CalledProcessError`` if the build fails.
     """
-    key = (str(root), quick)
-    if key not in _CHECKED:
-        cmd = [sys.executable, str(REPO / "scripts" / "make_models.py"), "--out", str(root)]
-        subprocess.run(cmd + (["--quick"] if quick else []), check=True)
-        _CHECKED.add(key)
+    cmd = [sys.executable, str(REPO / "scripts" / "make_models.py"), "--out", str(root)]
+    subprocess.run(cmd + (["--quick"] if quick else []), check=True)
     return ModelPaths(root, root / "target", root / "draft", root / "metrics.json")
 
 

@@ -39,8 +39,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dense-n", type=int, default=60, help="N of the EAGLE3-dense reference")
     p.add_argument("--depth", type=int, default=7, help="draft steps of the dense reference")
     p.add_argument("--topk", type=int, default=10, help="top-k of the dense reference")
-    p.add_argument("--thresholds", type=float, nargs=3, default=None, metavar=("T1", "T2", "T_LAST"),
-                   help="pruning thresholds at depths 1, 2 and depth-1 (default: 0.35 0.25 0.15, the "
+    p.add_argument("--thresholds", type=float, nargs=3, default=list(STAGE_THRESHOLDS),
+                   metavar=("T1", "T2", "T_LAST"),
+                   help="pruning thresholds at depths 1, 2 and depth-1 (default: %(default)s, the "
                         "8B-head values; scripts/calibrate_checkpoints.py prints a model's own)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--graft-config", default=None, help="base GraftConfig file for the graft variants")
@@ -66,11 +67,11 @@ def _draft_steps(url: str) -> Dict[str, int] | None:
     """Graft worker's cumulative eager draft forwards {run, skipped} (``/server_info``), or None."""
     import httpx
 
-    try:
-        info = httpx.get(f"{url}/server_info", timeout=30).json()
-        return dict(info["internal_states"][0]["graft"]["worker"]["draft_steps"])
-    except Exception:  # other methods have no graft worker
-        return None
+    info = httpx.get(f"{url}/server_info", timeout=30).json()
+    stats = info["internal_states"][0].get("graft", {})  # sglang_patch.server_stats
+    worker = stats.get("worker", {})  # only graft servers have one
+    steps = worker.get("draft_steps")
+    return dict(steps) if steps is not None else None
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -82,8 +83,7 @@ def main(argv: List[str] | None = None) -> int:
     prompts = [p for f in a.prompts for p in load_prompts(f, a.num_prompts, render)]
     params = sampling_params(a.max_tokens)
     methods: List[MethodSpec] = build_methods(a.methods, a.budgets, a.dense_n, a.depth, a.topk,
-                                              a.draft, a.graft_config,
-                                              tuple(a.thresholds) if a.thresholds else STAGE_THRESHOLDS)
+                                              a.draft, a.graft_config, a.thresholds)
     out = Path(a.json)
     work = Path(tempfile.mkdtemp(prefix="graft_bench_"))
     rows: List[Dict[str, Any]] = []
