@@ -11,19 +11,28 @@ Vocabulary (paper = Graft, arXiv 2605.20104, Sec. 3; see docs in
   (same meaning as SGLang's ``--speculative-num-draft-tokens``).
 * ``topk`` / ``depth``: EAGLE draft width and number of draft steps
   (SGLang ``--speculative-eagle-topk`` / ``--speculative-num-steps``).
-* ``checkpoints``: confidence-gating stages. At checkpoint ``s`` the request's
-  confidence c_d = exp(max cumulative draft log-prob over nodes at depth ``d``) is
-  compared with ``threshold``; the first checkpoint (in increasing depth) whose
-  confidence is below its threshold selects the stage, and only ``keep`` draft
-  nodes (root excluded) survive; the other ``N - 1 - keep`` slots go to retrieval.
-  No checkpoint firing keeps the full draft tree.
-* ``retrieval``: successor matrix (token recycling), per-request suffix index,
-  optional shared corpus.
-* ``graft``: how freed slots are filled.
-* ``stop_drafting_early``: once every request of a batch has fired a checkpoint, the drafter
-  skips its remaining steps (``prune.DraftStopGate``).
+* Selection. By default (no ``checkpoints``) every candidate node, draft or retrieved, is priced by
+  its calibrated estimate of lying on the accepted path (calibration.py) and the N - 1 best form the
+  tree: pruning and grafting are outcomes of one selection, with nothing to tune.
+  ``checkpoints`` switch to the paper's confidence gating: at checkpoint ``s`` the request's
+  confidence c_d = exp(max cumulative draft log-prob over nodes at depth ``d``) is compared with
+  ``threshold``; the first checkpoint (in increasing depth) whose confidence is below its threshold
+  selects the stage, and only ``keep`` draft nodes (root excluded) survive; the other
+  ``N - 1 - keep`` slots go to retrieval. No checkpoint firing keeps the full draft tree.
+* ``draft_nodes``: false = retrieval-only (no draft node competes for the budget).
+* ``calibration``: the online calibrator's prior weight and memory.
+* ``retrieval``: successor table (token recycling, device), per-request suffix index and optional
+  shared corpus (host, fed to the device through a fixed-size candidate buffer).
+* ``graft``: how the selection is constrained.
+* ``stop_drafting_early``: in eager execution the drafter skips its remaining steps once no deeper
+  draft node can enter the selection (or, with checkpoints, once every request fired one).
 
 Precedence in `load_config`: file < environment < explicit overrides.
+
+Environment: configuration fields live under their own prefix, ``GRAFTCFG_`` (`ENV_PREFIX`:
+``GRAFTCFG_NUM_DRAFT_TOKENS=60``, nested with ``__``); the config file path is ``GRAFT_CONFIG``
+(`ENV_FILE`). Other ``GRAFT_*`` names belong to tooling (``GRAFT_VENV``, ``GRAFT_NO_MODEL_BUILD``,
+``GRAFT_SGLANG_CPU_LAYER``, ...) and are never parsed as configuration.
 """
 
 from __future__ import annotations
@@ -37,14 +46,22 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "ENV_PREFIX",
+    "ENV_FILE",
     "PruneStage",
     "RetrievalConfig",
     "GraftPolicy",
+    "CalibrationConfig",
     "GraftConfig",
     "load_config",
 ]
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+#: Prefix of configuration fields in the environment (``GRAFTCFG_RETRIEVAL__SUFFIX=false``).
+ENV_PREFIX = "GRAFTCFG_"
+#: Environment variable holding a config file path.
+ENV_FILE = "GRAFT_CONFIG"
 
 
 class PruneStage(BaseModel):
@@ -67,15 +84,18 @@ class PruneStage(BaseModel):
 class RetrievalConfig(BaseModel):
     """Retrieval sources feeding the freed budget (paper Sec. 3.2).
 
-    Successor matrix (token recycling): ``[V, successor_k]`` int32, row t = target's
-    top-k after token t. Candidate subtrees are expanded from the root token with a
-    rank template whose node priors are ``successor_prior * successor_rank_decay**rank``
-    until online hit rates take over (see retrieval/successor.py).
+    Successor table (token recycling, on the engine's device): ``[V, successor_k]`` int32, row t =
+    target's top-k after token t. Candidate subtrees are expanded from the root token with a
+    rank template of ``min(max_candidates, N - 1)`` slots whose prior path acceptance is the
+    product of ``successor_prior * successor_rank_decay**rank`` until the calibrator has data
+    (see retrieval/successor.py).
 
-    Suffix index: per-request counting trie over prompt + generated tokens, depth
-    ``suffix_max_depth``; matches use at most ``suffix_max_match`` context tokens;
-    continuations below ``suffix_min_prob`` (product of child/parent count ratios) are
-    dropped; ``suffix_max_nodes`` caps the trie per request (eviction in suffix.py).
+    Suffix index (host): per-request counting trie over prompt + generated tokens, depth
+    ``suffix_max_depth`` (match + continuation, so long repeated matches give deep chains);
+    matches use at most ``suffix_max_match`` context tokens (default a quarter of the depth); continuations below
+    ``suffix_min_prob`` (product of child/parent count ratios) are dropped; ``suffix_max_nodes``
+    caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
+    ``max_candidates`` slots per request in the host candidate buffer.
 
     Corpus: shared counting trie loaded from ``corpus_path`` (JSON/JSONL token-id lists),
     capped at ``corpus_max_mb`` megabytes of index.
@@ -90,8 +110,9 @@ class RetrievalConfig(BaseModel):
     successor_rank_decay: float = Field(default=0.5, gt=0.0, lt=1.0)
 
     suffix: bool = True
-    suffix_max_depth: int = Field(default=12, ge=2, le=128)
-    suffix_max_match: int = Field(default=6, ge=1, le=127)
+    suffix_max_depth: int = Field(default=64, ge=2, le=256)
+    suffix_max_match: Optional[int] = Field(default=None, ge=1, le=255,
+                                            description="context tokens matched; None = suffix_max_depth // 4")
     suffix_min_prob: float = Field(default=0.1, ge=0.0, lt=1.0)
     suffix_max_nodes: int = Field(default=200_000, ge=64)
 
@@ -99,12 +120,13 @@ class RetrievalConfig(BaseModel):
     corpus_path: Optional[str] = None
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
 
-    max_candidates: int = Field(default=64, ge=1, le=4096,
-                                description="candidate nodes per source per request")
+    max_candidates: int = Field(default=64, ge=1, le=1024,
+                                description="successor template slots (at most N - 1) and host "
+                                            "candidate slots per request (shared by suffix and corpus)")
 
     @model_validator(mode="after")
     def _check(self) -> "RetrievalConfig":
-        if self.suffix_max_match >= self.suffix_max_depth:
+        if self.suffix_max_match is not None and self.suffix_max_match >= self.suffix_max_depth:
             raise ValueError(
                 f"retrieval.suffix_max_match ({self.suffix_max_match}) must be < "
                 f"retrieval.suffix_max_depth ({self.suffix_max_depth}) so a match leaves room "
@@ -116,6 +138,12 @@ class RetrievalConfig(BaseModel):
         if self.corpus and not self.corpus_path:
             raise ValueError("retrieval.corpus_path is required when retrieval.corpus is true")
         return self
+
+    @property
+    def match_len(self) -> int:
+        """Longest context suffix the suffix index and corpus match on (``suffix_max_match``, or a
+        quarter of ``suffix_max_depth``)."""
+        return self.suffix_max_match or max(1, self.suffix_max_depth // 4)
 
 
 class GraftPolicy(BaseModel):
@@ -137,6 +165,20 @@ class GraftPolicy(BaseModel):
     refill_with_draft: bool = True
 
 
+class CalibrationConfig(BaseModel):
+    """Online calibration of the estimated path acceptance (calibration.py).
+
+    Fields:
+        prior_weight: pseudo-trials of each bin's prior (> 0); small = the data takes over fast.
+        halve_at: a bin's counts are halved once its trials exceed this (memory for drift).
+    """
+
+    model_config = _STRICT
+
+    prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
+    halve_at: float = Field(default=4096.0, ge=16.0)
+
+
 class GraftConfig(BaseModel):
     """Top-level Graft configuration (immutable, validated).
 
@@ -155,12 +197,15 @@ class GraftConfig(BaseModel):
     topk: int = Field(default=4, ge=2, le=64, description="EAGLE draft width")
     depth: int = Field(default=4, ge=1, le=64, description="EAGLE draft steps")
     checkpoints: tuple[PruneStage, ...] = ()
+    draft_nodes: bool = Field(default=True, description="false = retrieval-only: no draft node is selected")
+    calibration: CalibrationConfig = CalibrationConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     graft: GraftPolicy = GraftPolicy()
     stop_drafting_early: bool = Field(
         default=True,
-        description="skip the remaining draft steps once every request of the batch has fired a "
-                    "checkpoint (eager execution; CUDA-graph replays always draft the full depth)")
+        description="skip the remaining draft steps once no deeper draft node can be selected (with "
+                    "checkpoints: once every request fired one); eager execution only, CUDA-graph "
+                    "replays always draft the full depth")
 
     @model_validator(mode="after")
     def _check(self) -> "GraftConfig":
@@ -198,7 +243,7 @@ class GraftConfig(BaseModel):
         return cls.model_validate(_read_file(path))
 
     @classmethod
-    def from_env(cls, prefix: str = "GRAFT_", environ: Optional[Mapping[str, str]] = None
+    def from_env(cls, prefix: str = ENV_PREFIX, environ: Optional[Mapping[str, str]] = None
                  ) -> "GraftConfig":
         """Build from environment variables (see `env_overrides` for the naming rule)."""
         return cls.model_validate(env_overrides(prefix, environ))
@@ -220,21 +265,21 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def env_overrides(prefix: str = "GRAFT_", environ: Optional[Mapping[str, str]] = None
+def env_overrides(prefix: str = ENV_PREFIX, environ: Optional[Mapping[str, str]] = None
                   ) -> dict[str, Any]:
     """Turn ``{prefix}FIELD`` variables into a nested override dict.
 
-    Naming: ``GRAFT_NUM_DRAFT_TOKENS=60``; nested fields use a double underscore,
-    ``GRAFT_RETRIEVAL__SUFFIX_MAX_DEPTH=16``; lists are YAML/JSON,
-    ``GRAFT_CHECKPOINTS='[{depth: 1, threshold: 0.35, keep: 8}]'``. Values are parsed
+    Naming: ``GRAFTCFG_NUM_DRAFT_TOKENS=60``; nested fields use a double underscore,
+    ``GRAFTCFG_RETRIEVAL__SUFFIX_MAX_DEPTH=16``; lists are YAML/JSON,
+    ``GRAFTCFG_CHECKPOINTS='[{depth: 1, threshold: 0.35, keep: 8}]'``. Values are parsed
     with ``yaml.safe_load`` (so ``true``/``60``/``0.5`` get their types).
-    ``{prefix}CONFIG`` is reserved for a config file path (read by `load_config`).
-    Unknown names reach the validator and are rejected there.
+    Every name under the prefix is configuration: unknown ones reach the validator and are
+    rejected there.
     """
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for key, raw in env.items():
-        if not key.startswith(prefix) or key == prefix + "CONFIG":
+        if not key.startswith(prefix):
             continue
         parts = [p.lower() for p in key[len(prefix):].split("__")]
         value = yaml.safe_load(raw) if raw.strip() else None
@@ -276,7 +321,7 @@ def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
 def merge_config_sources(file: Optional[str | os.PathLike] = None,
                          overrides: Optional[Mapping[str, Any]] = None,
                          env: bool = True,
-                         prefix: str = "GRAFT_",
+                         prefix: str = ENV_PREFIX,
                          environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """The raw, not yet validated settings of `load_config` (file < env < overrides).
 
@@ -288,8 +333,8 @@ def merge_config_sources(file: Optional[str | os.PathLike] = None,
     """
     e = os.environ if environ is None else environ
     data: dict[str, Any] = {}
-    if file is None and env and e.get(prefix + "CONFIG"):
-        file = e[prefix + "CONFIG"]
+    if file is None and env and e.get(ENV_FILE):
+        file = e[ENV_FILE]
     if file is not None:
         data = _read_file(file)
     if env:
@@ -303,17 +348,17 @@ def merge_config_sources(file: Optional[str | os.PathLike] = None,
 def load_config(file: Optional[str | os.PathLike] = None,
                 overrides: Optional[Mapping[str, Any]] = None,
                 env: bool = True,
-                prefix: str = "GRAFT_",
+                prefix: str = ENV_PREFIX,
                 environ: Optional[Mapping[str, str]] = None) -> GraftConfig:
     """The single loading path used by the engine adapters and scripts.
 
     Args:
-        file: JSON/YAML path; when None and ``env`` is true, ``{prefix}CONFIG`` is used
+        file: JSON/YAML path; when None and ``env`` is true, ``GRAFT_CONFIG`` is used
             if set.
         overrides: explicit values (e.g. CLI flags); nested dicts or dotted keys
             (``{"retrieval.suffix_max_depth": 12}``). ``None`` values are ignored so
             unset CLI flags do not clobber the file.
-        env: read ``{prefix}*`` variables (see `env_overrides`).
+        env: read ``GRAFT_CONFIG`` and the ``{prefix}*`` variables (see `env_overrides`).
         environ: mapping used instead of ``os.environ`` (tests).
 
     Returns:

@@ -1,16 +1,20 @@
-"""`GraftPlanner`: the one object engine adapters call each decode step.
+"""`GraftPlanner`: the one object engine adapters call, and the order they call it in.
 
-Per step and batch (paper Algorithm 1/2):
+Per decode round (paper Algorithm 1/2), host work first, device work after:
 
-    tree  = eagle_rerank(...)                      # engine side: draft tree [B, Nd]
-    hyb   = planner.build(tree, req_ids)           # prune -> retrieve -> graft, [B, N]
-    ...  target forward over hyb.tokens with hyb.mask() / hyb.positions(seq_lens) ...
-    res   = greedy_verify(...) / sample_verify(...)
-    planner.observe(hyb, target_topk_ids)          # successor-matrix update, all nodes
-    planner.extend(req_id, res.emitted(hyb.tokens)[i])  # per request, committed tokens
+    # host, while the accelerator drafts (no device read):
+    host = planner.host_candidates(req_ids)            # suffix / corpus proposals, one upload
+    # device, static shapes, no host read:
+    out  = planner.build(draft, roots, host, slots, seq_lens, sampled)   # calibrated graft step
+    ... target verify over out.tree.tokens with out.mask / out.positions ...
+    acc  = planner.observe(out, on_path, target_topk, committed, accept_len, slots)
+    # host, whenever the engine has the committed tokens on the host anyway:
+    planner.extend(req_id, tokens)
 
-plus ``start_request`` after prefill (prompt ids, and the first sampled token through
-``extend``) and ``stop_request`` when a request finishes or is aborted.
+plus ``start_request`` with the prompt and ``stop_request`` when a request finishes or is aborted.
+The host may lag the device by a round (overlap scheduler): proposals are anchored at the context
+the host knows, and the step re-anchors them on the device (step.py). ``observe`` only touches
+device state (calibration counts, successor table, commit log).
 """
 
 from __future__ import annotations
@@ -20,101 +24,197 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
+from .calibration import BinLayout, Calibrator
 from .config import GraftConfig
-from .graft import graft
-from .prune import PruneResult, prune
-from .retrieval.base import Candidates
+from .gate import ExpectedGainGate, draft_bounds
+from .retrieval.buffer import HostCandidateBuffer, HostCandidates
 from .retrieval.corpus import CorpusIndex
 from .retrieval.retriever import Retriever
-from .tree import DraftTree
+from .retrieval.successor import SuccessorTable
+from .step import CommitLog, DraftCandidates, GraftStep, StepOutput
+from .tree import SOURCE_PADDING, DraftTree, node_depths, path_min
 
-__all__ = ["BuildInfo", "GraftPlanner"]
+__all__ = ["GraftPlanner", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens"]
+
+
+def on_path_from_accept_index(accept_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """``bool[B, N]`` accepted nodes from SGLang-style ``accept_index`` (``[B, W]`` flat node ids
+    ``b * N + i`` in path order, -1 padded)."""
+    b = accept_index.shape[0]
+    base = torch.arange(b, device=accept_index.device)[:, None] * num_nodes
+    local = torch.where(accept_index >= 0, accept_index.to(torch.int64) - base, num_nodes).clamp(0, num_nodes)
+    out = torch.zeros(b, num_nodes + 1, dtype=torch.bool, device=accept_index.device)
+    return out.scatter_(1, local, True)[:, :num_nodes]
+
+
+def on_path_from_tokens(tree: DraftTree, committed: torch.Tensor, lens: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which nodes lie on the path the target took, from the tokens it committed after the root.
+
+    For an engine that verifies a chain only (vLLM 0.33): under greedy decoding the committed
+    tokens are the target's own continuation, so a tree node at depth d <= ``lens`` lies on the
+    accepted path of the full tree exactly when its path equals the first d committed tokens.
+
+    Args:
+        tree: the round's tree ``[B, N]``.
+        committed: ``int64[B, L]`` tokens committed after the root (accepted, then the bonus).
+        lens: ``int64[B]`` how many are valid.
+    Returns:
+        ``(on_path bool[B, N], known bool[B, N])``: known = depth <= lens (the root: always).
+    """
+    depth = node_depths(tree.parents)
+    lw = committed.shape[1]
+    want = committed.gather(1, (depth - 1).clamp(0, lw - 1))
+    match = torch.where(depth == 0, True, tree.tokens == want).float()
+    known = depth <= lens[:, None]
+    return (path_min(match, tree.parents) > 0.5) & known, known
 
 
 @dataclass
-class BuildInfo:
-    """Side information of the last `GraftPlanner.build` (for metrics/debugging)."""
+class RoundStats:
+    """What a verified round leaves for the host, as device tensors.
 
-    prune: PruneResult
-    num_candidates: int
+    Attributes:
+        sources: ``int64[B, N - 1]`` the source (SOURCE_*) of each accepted non-root node in path
+            order, -1 after the path.
+        members: ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) per member source.
+        depths: ``float64[D + 1, 2]`` (verified, accepted) nodes per depth (row 0 unused).
+    """
+
+    sources: torch.Tensor
+    members: torch.Tensor
+    depths: torch.Tensor
 
 
 class GraftPlanner:
-    """Holds the config and the retrieval sources; builds hybrid trees.
+    """Config, calibrator, retrieval state and the step of one engine instance.
 
     Args:
         config: validated `GraftConfig`.
-        vocab_size: target vocabulary size V (successor matrix rows).
-        device: device of the successor matrix and of the trees handed in.
+        vocab_size: target vocabulary size V (successor table rows).
+        device: the engine's device (step, successor table, calibrator, commit log).
+        max_batch: largest batch (host candidate buffer rows; grows on demand).
+        max_slots: engine slots for the commit log (SGLang: request-pool size).
         corpus: prebuilt `CorpusIndex` (overrides ``retrieval.corpus_path``).
-        retriever: custom `Retriever` (overrides the config's sources).
     """
 
     def __init__(self, config: GraftConfig, vocab_size: int, device: torch.device | str = "cpu",
-                 corpus: Optional[CorpusIndex] = None, retriever: Optional[Retriever] = None):
-        self.config = config
-        self.vocab_size = vocab_size
+                 max_batch: int = 1, max_slots: int = 1, corpus: Optional[CorpusIndex] = None):
+        self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(device)
-        self.retriever = retriever or Retriever.from_config(config, vocab_size, self.device, corpus)
-        self.last_info: Optional[BuildInfo] = None
-        self._live: set[Hashable] = set()
+        r = config.retrieval
+        n = config.num_draft_tokens
+        self.successor = (SuccessorTable(vocab_size, k=r.successor_k, max_depth=r.successor_max_depth,
+                                         size=min(r.max_candidates, n - 1), prior=r.successor_prior,
+                                         decay=r.successor_rank_decay, device=self.device)
+                          if r.successor else None)
+        slots = self.successor.size if self.successor else 0
+        prior = self.successor.slot_prior if self.successor else torch.zeros(0)
+        self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, config.calibration.prior_weight,
+                                     config.calibration.halve_at, max_depth=max(n, 64), device=self.device)
+        self.retriever = Retriever.from_config(config, corpus)
+        width = r.max_candidates if self.retriever.sources else 0
+        self.buffer = HostCandidateBuffer(max_batch, width, self.device)
+        self.commits = CommitLog(max_slots, n, self.device)
+        self.step = GraftStep(config, self.calibrator, self.successor, self.device)
+        self._seen: dict[Hashable, int] = {}
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ host lifecycle
     def start_request(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """Register a request and index its prompt (idempotent: restarts the request)."""
-        self._live.add(req_id)
-        self.retriever.start(req_id, [int(t) for t in prompt_ids])
+        ids = [int(t) for t in prompt_ids]
+        self._seen[req_id] = len(ids)
+        self.retriever.start(req_id, ids)
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
-        """Committed tokens of ``req_id`` (accepted + bonus), before its next `build`."""
-        self.retriever.extend(req_id, [int(t) for t in new_tokens])
+        """Tokens ``req_id`` committed since the last call (host view), in order."""
+        if req_id in self._seen:
+            self._seen[req_id] += len(new_tokens)
+            self.retriever.extend(req_id, [int(t) for t in new_tokens])
 
     def stop_request(self, req_id: Hashable) -> None:
         """Free all per-request state (finished or aborted request)."""
-        self._live.discard(req_id)
+        self._seen.pop(req_id, None)
         self.retriever.stop(req_id)
+
+    def seen(self, req_id: Hashable) -> int:
+        """Context tokens (prompt + outputs) the host sources have seen for ``req_id`` (0: unknown)."""
+        return self._seen.get(req_id, 0)
 
     def live_requests(self) -> int:
         """Requests with state in the planner or any source."""
-        return max(len(self._live), self.retriever.live_requests())
+        return max(len(self._seen), self.retriever.live_requests())
 
     def memory_bytes(self) -> int:
-        """Approximate bytes held by all retrieval sources."""
-        return self.retriever.memory_bytes()
+        """Approximate bytes held by the retrieval sources (host) and the successor table (device)."""
+        return self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)
 
-    # ------------------------------------------------------------------ per step
-    def build(self, draft: DraftTree, req_ids: Sequence[Hashable]) -> DraftTree:
-        """Prune -> retrieve -> graft.
+    # ------------------------------------------------------------------ per round
+    def host_candidates(self, req_ids: Sequence[Hashable]) -> HostCandidates:
+        """Fill one buffer row per request (host only) and upload the batch with one copy.
+
+        Each row is anchored at the context the sources have seen (`seen`); unknown requests get
+        an empty row.
+        """
+        b = len(req_ids)
+        if self.buffer.width == 0:
+            return HostCandidates.empty(b, 0, self.device)
+        self.buffer.ensure(b)
+        for row, rid in enumerate(req_ids):
+            self.retriever.fill(self.buffer, row, rid, self.seen(rid))
+        return self.buffer.upload(b)
+
+    def build(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
+              seq_lens: torch.Tensor, sampled: torch.Tensor) -> StepOutput:
+        """The graft step (device, static shapes, no host read).
 
         Args:
-            draft: EAGLE draft tree ``[B, Nd]`` (node 0 = root token of each request).
-            req_ids: B request ids, row-aligned with ``draft``.
+            draft: `DraftCandidates` ``[B, S]``.
+            roots: ``int64[B]``; slot_ids: ``int64[B]`` engine slots (commit log rows);
+            seq_lens: ``int64[B]`` committed tokens before the root; sampled: ``bool[B]``.
+            host: `host_candidates` of the same rows.
         Returns:
-            Hybrid `DraftTree` ``[B, N]`` with N = ``config.num_draft_tokens``.
-        Raises:
-            ValueError: ``len(req_ids) != B``.
+            `StepOutput` ``[B, N]``.
         """
-        n = self.config.num_draft_tokens
-        if len(req_ids) != draft.batch_size:
-            raise ValueError(f"build: {len(req_ids)} req_ids for a batch of {draft.batch_size}")
-        pr = prune(draft, self.config.checkpoints, n)
-        cands = self.retriever.propose(req_ids, draft.tokens[:, 0], n - 1)
-        self.last_info = BuildInfo(prune=pr, num_candidates=cands.width)
-        return graft(draft, pr.keep, cands if cands.width else None, n, self.config.graft)
+        prev_tokens, prev_len = self.commits.gather(slot_ids)
+        return self.step(draft, roots, host, prev_tokens, prev_len, seq_lens, sampled,
+                         self.calibrator.estimates())
 
-    def observe(self, tree: DraftTree, target_topk_ids: torch.Tensor) -> None:
-        """Successor-matrix update from the target's top-k at every verified node.
+    def stop_gate(self, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
+                  seq_lens: torch.Tensor, sampled: torch.Tensor) -> ExpectedGainGate:
+        """An `ExpectedGainGate` for this round's eager drafting (gate.py); built before drafting
+        from the same inputs as `build`."""
+        est = self.calibrator.estimates()
+        prev_tokens, prev_len = self.commits.gather(slot_ids)
+        floor = self.step.retrieval_floor(roots, host, prev_tokens, prev_len, seq_lens, sampled, est)
+        return ExpectedGainGate(self.calibrator, draft_bounds(self.calibrator, est), floor, sampled)
+
+    def observe(self, out: StepOutput, on_path: torch.Tensor, target_topk: Optional[torch.Tensor],
+                committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
+        """Device bookkeeping of a verified round (no host read).
 
         Args:
-            tree: the verified tree ``[B, N]``.
-            target_topk_ids: ``int64[B, N, k]`` target top-k ids after each node.
+            out: the round's `StepOutput`.
+            on_path: ``bool[B, N]`` accepted nodes (`on_path_from_accept_index`).
+            target_topk: ``int64[B, N, k]`` the target's top-k after every node (successor update),
+                or None.
+            committed: ``int64[B, >= accept_len]`` committed tokens (accepted nodes' tokens, then the
+                bonus); accept_len: ``int64[B]``.
+            slot_ids: ``int64[B]`` engine slots.
+        Returns:
+            `RoundStats` (device tensors, for an engine to copy to the host off the critical path).
         """
-        succ = self.retriever.successor
-        if succ is not None:
-            succ.update(tree.tokens.reshape(-1), target_topk_ids.reshape(-1, target_topk_ids.shape[-1]))
-
-    def observe_tokens(self, node_tokens: torch.Tensor, target_topk_ids: torch.Tensor) -> None:
-        """Same as `observe` for arbitrary positions (e.g. prefill logits): ``[M]``, ``[M, k]``."""
-        succ = self.retriever.successor
-        if succ is not None:
-            succ.update(node_tokens.reshape(-1), target_topk_ids.reshape(node_tokens.numel(), -1))
+        tree = out.tree
+        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
+        if self.successor is not None and target_topk is not None:
+            self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),
+                                  tree.source != SOURCE_PADDING)
+        self.commits.record(slot_ids, committed, accept_len)
+        # accepted nodes in path order = in index order (a path's nodes have increasing indices)
+        n = tree.tokens.shape[1]
+        idx = torch.arange(n, device=on_path.device)
+        key = torch.where(on_path, idx, n)
+        key[:, 0].fill_(n)
+        order = key.sort(dim=1).values[:, : n - 1]
+        sources = torch.where(order < n, tree.source.gather(1, order.clamp(max=n - 1)), -1)
+        return RoundStats(sources, members, depths)

@@ -23,7 +23,7 @@ import torch
 from .config import PruneStage
 from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, top_mask
 
-__all__ = ["PruneResult", "checkpoint_confidence", "select_stage", "prune", "DraftStopGate"]
+__all__ = ["PruneResult", "PruneStages", "checkpoint_confidence", "select_stage", "prune", "DraftStopGate"]
 
 
 @dataclass
@@ -45,23 +45,41 @@ class PruneResult:
     confidence: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PruneStages:
+    """The checkpoints as device tensors, built once (so `prune` reads no host list per round).
+
+    Attributes:
+        depths: ``int64[S]``; thresholds: ``float32[S]``; keeps: ``int64[S]``; max_keep: largest keep.
+    """
+
+    depths: torch.Tensor
+    thresholds: torch.Tensor
+    keeps: torch.Tensor
+    max_keep: int
+
+    @staticmethod
+    def build(checkpoints: Sequence[PruneStage], device: torch.device | str = "cpu") -> "PruneStages":
+        return PruneStages(
+            depths=torch.tensor([c.depth for c in checkpoints], dtype=torch.int64, device=device),
+            thresholds=torch.tensor([c.threshold for c in checkpoints], dtype=torch.float32, device=device),
+            keeps=torch.tensor([c.keep for c in checkpoints], dtype=torch.int64, device=device),
+            max_keep=max((c.keep for c in checkpoints), default=0))
+
+
 def checkpoint_confidence(logp: torch.Tensor, depths: torch.Tensor, eligible: torch.Tensor,
-                          checkpoint_depths: Sequence[int]) -> torch.Tensor:
+                          checkpoint_depths: torch.Tensor) -> torch.Tensor:
     """c_d = exp(max cumulative log-prob at depth d) per request and checkpoint.
 
     Args:
         logp: ``float[B, N]`` cumulative draft log-prob per node.
         depths: ``int64[B, N]`` node depths.
         eligible: ``bool[B, N]`` nodes that count (draft, finite score).
-        checkpoint_depths: S depths.
+        checkpoint_depths: ``int64[S]``.
     Returns:
         ``float32[B, S]`` in [0, 1]; 0 where no eligible node sits at that depth.
     """
-    b = logp.shape[0]
-    if len(checkpoint_depths) == 0:
-        return torch.zeros(b, 0, device=logp.device)
-    cd = torch.tensor(list(checkpoint_depths), device=logp.device)
-    at = (depths[:, None, :] == cd[None, :, None]) & eligible[:, None, :]       # [B, S, N]
+    at = (depths[:, None, :] == checkpoint_depths[None, :, None]) & eligible[:, None, :]     # [B, S, N]
     best = torch.where(at, logp[:, None, :].float(), torch.full((), -math.inf, device=logp.device))
     return best.amax(dim=2).exp()
 
@@ -88,30 +106,30 @@ def select_stage(confidence: torch.Tensor, thresholds: torch.Tensor, keeps: torc
     return stage, budget
 
 
-def prune(tree: DraftTree, checkpoints: Sequence[PruneStage], num_nodes: int) -> PruneResult:
+def prune(tree: DraftTree, checkpoints: "Sequence[PruneStage] | PruneStages", num_nodes: int) -> PruneResult:
     """Choose a stage per request and keep its best K draft nodes.
 
     Args:
         tree: draft tree ``[B, Nd]`` (e.g. from `eagle_rerank`); only SOURCE_DRAFT nodes
             with finite ``logp`` are candidates for keeping.
-        checkpoints: validated stages (GraftConfig.checkpoints), increasing depth.
+        checkpoints: validated stages (GraftConfig.checkpoints, increasing depth), or their
+            `PruneStages` tensors (no host-to-device copy per call).
         num_nodes: output budget N of the hybrid tree; K never exceeds N - 1.
     Returns:
         `PruneResult`.
     """
     b, nd = tree.tokens.shape
     device = tree.device
+    st = checkpoints if isinstance(checkpoints, PruneStages) else PruneStages.build(checkpoints, device)
     depths = node_depths(tree.parents)
     eligible = (tree.source == SOURCE_DRAFT) & torch.isfinite(tree.logp)
-    eligible[:, 0] = False
-    conf = checkpoint_confidence(tree.logp, depths, eligible, [c.depth for c in checkpoints])
-    thr = torch.tensor([c.threshold for c in checkpoints], device=device, dtype=torch.float32)
-    keeps = torch.tensor([c.keep for c in checkpoints], device=device, dtype=torch.int64)
-    stage, budget = select_stage(conf, thr, keeps, num_nodes - 1)
+    eligible[:, 0].fill_(False)
+    conf = checkpoint_confidence(tree.logp, depths, eligible, st.depths)
+    stage, budget = select_stage(conf, st.thresholds, st.keeps, num_nodes - 1)
     budget = budget.clamp(max=num_nodes - 1)
 
     key = torch.where(eligible, tree.logp.float(), torch.full((), -math.inf, device=device))
-    key[:, 0] = math.inf
+    key[:, 0].fill_(math.inf)
     key = path_min(key, tree.parents)[:, 1:]
     keep_rest = top_mask(order_key(key), budget, kmax=num_nodes - 1) & (key > -math.inf)
     keep = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), keep_rest], dim=1)

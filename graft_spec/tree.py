@@ -36,7 +36,8 @@ __all__ = [
     "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES",
     "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
-    "path_min", "sentinel_parents", "order_key", "top_mask", "eagle_rerank", "eagle_step", "tree_from_selection",
+    "path_min", "sentinel_parents", "pointer_rounds", "order_key", "top_mask", "eagle_rerank", "eagle_step",
+    "tree_from_selection",
 ]
 
 SOURCE_DRAFT = 0       #: node proposed by the draft model (the root is also tagged draft)
@@ -46,8 +47,12 @@ NUM_SOURCES = 3
 SOURCE_NAMES = ("draft", "retrieved", "padding")
 
 
-def _rounds(n: int) -> int:
-    """Pointer-jumping rounds that cover any path in an n-node tree."""
+def pointer_rounds(n: int) -> int:
+    """Pointer-jumping rounds that cover any path in an n-node tree: ceil(log2 n), at least 1.
+
+    Every pointer-jumping loop in graft_spec runs exactly this many rounds (no early exit), so the
+    same code runs on CPU and on accelerators without a host read per round.
+    """
     return max(1, math.ceil(math.log2(max(n, 2))))
 
 
@@ -62,15 +67,6 @@ def sentinel_parents(parents: torch.Tensor) -> torch.Tensor:
     return torch.cat([p, torch.full((b, 1), n, dtype=p.dtype, device=p.device)], dim=1)
 
 
-def jump_finished(p: torch.Tensor, sentinel: int) -> bool:
-    """Early exit for pointer-jumping loops: True when every pointer sits on the sentinel.
-
-    Checked on CPU only (cheap there); on accelerators the loops run the fixed
-    ceil(log2 N) rounds to avoid a device sync per round.
-    """
-    return p.device.type == "cpu" and bool((p == sentinel).all())
-
-
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of every node (root = 0) by pointer jumping, <= ceil(log2 N) rounds.
 
@@ -82,10 +78,8 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     b, n = parents.shape
     p = sentinel_parents(parents)
     d = torch.ones(b, n + 1, dtype=torch.int64, device=parents.device)   # nodes from i up to p[i], excl.
-    d[:, n] = 0
-    for _ in range(_rounds(n + 1)):
-        if jump_finished(p, n):
-            break
+    d[:, n].fill_(0)
+    for _ in range(pointer_rounds(n + 1)):
         d = d + d.gather(1, p)
         p = p.gather(1, p)
     return d[:, :n] - 1
@@ -106,9 +100,7 @@ def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     b, n = parents.shape
     p = sentinel_parents(parents)
     m = torch.cat([values, torch.full((b, 1), math.inf, dtype=values.dtype, device=values.device)], dim=1)
-    for _ in range(_rounds(n + 1)):
-        if jump_finished(p, n):
-            break
+    for _ in range(pointer_rounds(n + 1)):
         m = torch.minimum(m, m.gather(1, p))
         p = p.gather(1, p)
     return m[:, :n]
@@ -144,11 +136,15 @@ def top_mask(key: torch.Tensor, k: "int | torch.Tensor", kmax: Optional[int] = N
     Args:
         key: ``int64[B, U]`` unique per row.
         k: int, or ``int64[B]`` per-row counts.
-        kmax: upper bound of ``k`` (avoids a device sync when ``k`` is a tensor).
+        kmax: static upper bound of ``k``; required when ``k`` is a tensor.
+    Raises:
+        ValueError: ``k`` is a tensor and ``kmax`` is None.
     """
     b, u = key.shape
     if kmax is None:
-        kmax = int(k) if not isinstance(k, torch.Tensor) else int(k.max().item()) if k.numel() else 0
+        if isinstance(k, torch.Tensor):
+            raise ValueError("top_mask: per-row counts need kmax (a static bound, no host read)")
+        kmax = int(k)
     kmax = min(kmax, u)
     if kmax <= 0:
         return torch.zeros(b, u, dtype=torch.bool, device=key.device)
@@ -177,13 +173,11 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     p = sentinel_parents(parents)                                       # [B, N+1]
     # rows over N+1 columns; the sentinel row/column stays False
     mask = (ar[None, :, None] == ar[None, None, :]) | (p[:, :, None] == ar[None, None, :])
-    mask[:, :, n] = False
-    mask[:, n, :] = False
+    mask[:, :, n].fill_(False)
+    mask[:, n, :].fill_(False)
     # invariant: rows cover path distances < L and anc is the L-th ancestor (L = 2, 4, ...)
     anc = p.gather(1, p)
-    for _ in range(_rounds(n + 1)):
-        if jump_finished(anc, n):
-            break
+    for _ in range(pointer_rounds(n + 1)):
         mask |= mask.gather(1, anc[:, :, None].expand(b, n + 1, n + 1))
         anc = anc.gather(1, anc)
     return mask[:, :n, :n]
@@ -207,7 +201,7 @@ def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first = torch.where(is_child, ar[None, None, :], big).amin(dim=2)
     same = (parents[:, :, None] == parents[:, None, :]) & (ar[None, None, :] > ar[None, :, None])
     nxt = torch.where(same, ar[None, None, :], big).amin(dim=2)
-    nxt[:, 0] = n  # the root has no siblings
+    nxt[:, 0].fill_(n)  # the root has no siblings
     return torch.where(first == n, -1, first), torch.where(nxt == n, -1, nxt)
 
 

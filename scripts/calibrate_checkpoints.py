@@ -14,7 +14,7 @@ This script estimates, on held-out text, c_d for every position as the product o
 top-1 probabilities over the first d unrolled draft steps (the training-time-test forward that
 matches SGLang's draft forward, ``modelmaking.eagle3``), and sets tau_d to the ``fire-rate``
 quantile of c_d: each checkpoint alone fires on about that share of rounds. Checkpoint depths and
-kept draft nodes are the benchmark's (``graft_spec.bench.methods.stage_checkpoints``: depths 1, 2
+kept draft nodes are the benchmark's (``sglang_patch.bench.methods.stage_checkpoints``: depths 1, 2
 and depth - 1 keeping 8/60, 24/60 and 40/60 of the budget, the paper's 8 / 24 / 40 of 60).
 Writes a GraftConfig YAML (validated) to ``--out`` or stdout.
 """
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 
-from graft_spec.bench.methods import stage_checkpoints, stage_depths  # noqa: E402
+from sglang_patch.bench.methods import stage_checkpoints, stage_depths  # noqa: E402
 from modelmaking.data import eval_windows  # noqa: E402
 from modelmaking.eagle3 import load_draft  # noqa: E402
 from modelmaking.features import target_features  # noqa: E402

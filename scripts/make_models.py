@@ -68,7 +68,7 @@ class Builder:
         spec = self.spec.as_dict()
         relevant = {
             "tokenizer": ("max_train_chars", "tokenizer_chars", "vocab_size"),
-            "data": ("max_train_chars",),
+            "data": ("max_train_chars", "packages"),
             "target": ("target",),
             "draft": ("draft",),
             "eval": ("eval_tokens", "greedy_prompts", "greedy_prompt_len", "greedy_new_tokens"),
@@ -119,7 +119,7 @@ class Builder:
 
     def corpus(self) -> corpus_mod.Corpus:
         if self._corpus is None:
-            self._corpus = corpus_mod.load_corpus(self.spec.max_train_chars)
+            self._corpus = corpus_mod.load_corpus(self.spec.max_train_chars, packages=self.spec.packages)
         return self._corpus
 
     # -- stages -----------------------------------------------------------------------------------
@@ -163,6 +163,7 @@ class Builder:
             "seconds": time.perf_counter() - t0, "train_tokens": int(train.size), "eval_tokens": int(evals.size),
             "train_files": c.train_files, "eval_files": c.eval_files, "stdlib": c.root,
             "train_chars": sum(map(len, c.train)), "eval_chars": sum(map(len, c.eval)),
+            "packages": list(c.packages),
         })
 
     def stage_target(self) -> dict:
@@ -258,7 +259,8 @@ def summarize(spec: SizeSpec, seed: int, results: dict) -> dict:
         "size": spec.name,
         "seed": seed,
         "python": platform.python_version(),
-        "corpus": {k: m["data"][k] for k in ("stdlib", "train_files", "eval_files", "train_tokens", "eval_tokens")},
+        "corpus": {k: m["data"].get(k) for k in ("stdlib", "train_files", "eval_files", "train_tokens",
+                                                  "eval_tokens", "packages")},
         "tokenizer": {"vocab_size": m["tokenizer"]["vocab_size"]},
         "target": {
             "params": m["target"]["params"],

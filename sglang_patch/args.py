@@ -2,8 +2,9 @@
 
 One way to configure (STYLE.md): every source ends in ``graft_spec.config.load_config`` and thus in
 ``GraftConfig.model_validate``. Precedence, lowest first: GraftConfig defaults < config file
-(``--graft-config`` or ``GRAFT_CONFIG``) < ``GRAFT_<FIELD>`` environment variables (nested fields
-with ``__``) < ``--graft-<field>`` flags (nested fields with ``-``: ``--graft-retrieval-suffix-max-depth``).
+(``--graft-config`` or ``GRAFT_CONFIG``) < ``GRAFTCFG_<FIELD>`` environment variables (nested
+fields with ``__``; a prefix of their own, so tooling variables such as ``GRAFT_VENV`` never parse as
+configuration) < ``--graft-<field>`` flags (nested fields with ``-``: ``--graft-retrieval-suffix-max-depth``).
 Convenience flags: ``--graft-budget N`` (= ``num_draft_tokens``) and
 ``--graft-retrieval successor,suffix[,corpus]|none``.
 
@@ -33,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: Record attribute holding the ``--graft-*`` values (underscore: bookkeeping, survives pickling).
 CLI_ATTR = "_graft_cli"
-#: ``GRAFT_*`` environment names used by tooling (install / tests), not GraftConfig fields.
-ENV_TOOLING = frozenset({"GRAFT_VENV", "GRAFT_LOG_LEVEL", "GRAFT_SGLANG_CPU_LAYER"})
 #: argparse ``dest`` prefix of the generated flags.
 _DEST = "graft__"
 #: Server defaults applied to graft like SGLang applies them to EAGLE (speculative_hook.py:1086).
@@ -86,8 +85,10 @@ def flag_name(path: Tuple[str, ...]) -> str:
 
 
 def env_name(path: Tuple[str, ...]) -> str:
-    """``("retrieval", "suffix_max_depth")`` -> ``GRAFT_RETRIEVAL__SUFFIX_MAX_DEPTH``."""
-    return "GRAFT_" + "__".join(p.upper() for p in path)
+    """``("retrieval", "suffix_max_depth")`` -> ``GRAFTCFG_RETRIEVAL__SUFFIX_MAX_DEPTH``."""
+    from graft_spec.config import ENV_PREFIX
+
+    return ENV_PREFIX + "__".join(p.upper() for p in path)
 
 
 def parse_value(text: str) -> Any:
@@ -111,28 +112,8 @@ def _retrieval_flag(text: str) -> Dict[str, bool]:
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
-def _tooling_free(environ: Optional[Mapping[str, str]]) -> Dict[str, str]:
-    """The environment without ``GRAFT_*`` names that cannot be GraftConfig fields.
-
-    The ``GRAFT_`` prefix is shared with tooling (``GRAFT_VENV``, ``GRAFT_SGLANG_CPU_LAYER``), so a
-    name whose first segment is not a GraftConfig field is skipped with a warning instead of being
-    rejected; a bad nested name (``GRAFT_RETRIEVAL__SUFIX``) still reaches the validator.
-    """
-    env = os.environ if environ is None else environ
-    try:
-        top = {p[0] for p in config_field_paths()}
-    except Exception:  # pragma: no cover - graft_spec broken; the loader will report it
-        top = set()
-    out: Dict[str, str] = {}
-    for key, value in env.items():
-        if key.startswith("GRAFT_") and key != "GRAFT_CONFIG":
-            first = key[len("GRAFT_"):].split("__")[0].lower()
-            if key in ENV_TOOLING or first not in top:
-                if key not in ENV_TOOLING:
-                    logger.warning("ignoring %s: not a GraftConfig field", key)
-                continue
-        out[key] = value
-    return out
+def _environ(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
 
 
 def _describe_origin(loc: Tuple[str, ...], cli: Mapping[str, Any], env: Mapping[str, str],
@@ -156,7 +137,7 @@ def build_graft_config(cli: Optional[Mapping[str, Any]] = None,
     Args:
         cli: the ``_graft_cli`` dict: ``{"config": path, "num_draft_tokens": 24,
             "retrieval.suffix": False, ...}`` (dotted keys for nested fields).
-        environ: environment mapping (default ``os.environ``); tooling names are skipped.
+        environ: environment mapping (default ``os.environ``).
         shape: final tree shape from SGLang (``num_draft_tokens`` / ``topk`` / ``depth``), applied
             last so the config validators (e.g. checkpoint ``keep < N``) see the real shape.
 
@@ -171,7 +152,7 @@ def build_graft_config(cli: Optional[Mapping[str, Any]] = None,
 
     cli = dict(cli or {})
     file = cli.pop("config", None)
-    env = _tooling_free(environ)
+    env = _environ(environ)
     overrides = dict(cli)
     overrides.update(dict(shape or {}))
     try:
@@ -291,7 +272,7 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
     Raises:
         GraftSettingsError: an explicit graft value contradicts an explicit SGLang flag.
     """
-    env = _tooling_free(environ)
+    env = _environ(environ)
     cli = getattr(sa, CLI_ATTR, None) or {}
     explicit = _explicit_shape(cli, env)
     from graft_spec.config import GraftConfig
@@ -313,7 +294,7 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
 
 def effective_graft_config(sa, environ: Optional[Mapping[str, str]] = None):
     """GraftConfig with the tree shape SGLang resolved (used by the worker and by validation)."""
-    env = _tooling_free(environ)
+    env = _environ(environ)
     resolve_tree_shape(sa, env)  # raises on a graft value that contradicts an SGLang flag
     sglang_shape = {f: int(getattr(sa, sa_f)) for f, sa_f in SHARED_SHAPE.items()
                     if getattr(sa, sa_f, None) is not None}
@@ -326,7 +307,9 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
     ``sa`` is SGLang's write-recording stand-in (``overrides.py:138``): plain attribute writes to
     ServerArgs fields become declarations. Custom algorithms get none of EAGLE's defaults
     (``speculative_hook.py:1072``), so this sets them: tree shape (from the graft config),
-    ``max_running_requests`` (48, like EAGLE), mixed chunk off, overlap scheduler off.
+    ``max_running_requests`` (48, like EAGLE), mixed chunk off, and on CPU the overlap scheduler off
+    unless ``GRAFT_SGLANG_CPU_OVERLAP=1`` (as SGLang does for EAGLE, ``speculative_hook.py:66``);
+    elsewhere the overlap scheduler stays SGLang's default (on).
 
     Raises:
         GraftSettingsError: missing draft model, ``topk == 1``, rejection sampling, pipeline
@@ -364,10 +347,13 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
         sa.enable_mixed_chunk = False
         logger.warning("graft: mixed chunked prefill disabled (a mixed step would run running "
                        "requests as plain decodes)")
-    if not getattr(sa, "disable_overlap_schedule", False):
-        sa.disable_overlap_schedule = True
-        logger.warning("graft: overlap scheduler disabled (graft retrieves candidates on the host "
-                       "from the tokens accepted in the previous round; see docs/sglang_graft.md)")
+    if getattr(sa, "device", None) == "cpu" and not getattr(sa, "disable_overlap_schedule", False):
+        from sglang_patch.cpu.overlap import overlap_requested
+
+        if not overlap_requested():  # what SGLang does for EAGLE on CPU (speculative_hook.py:66)
+            sa.disable_overlap_schedule = True
+            logger.warning("graft: overlap scheduler off on CPU, as SGLang does for EAGLE "
+                           "(GRAFT_SGLANG_CPU_OVERLAP=1 keeps it on)")
     logger.info("graft: num_draft_tokens=%d topk=%d depth=%d checkpoints=%d retrieval=%s",
                 cfg.num_draft_tokens, cfg.topk, cfg.depth, len(cfg.checkpoints),
                 ",".join(s for s in _RETRIEVAL_SOURCES if getattr(cfg.retrieval, s)) or "none")

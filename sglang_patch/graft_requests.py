@@ -1,21 +1,23 @@
-"""Per-request graft bookkeeping inside the SGLang scheduler process.
+"""Per-request graft bookkeeping inside the SGLang scheduler process (host side only).
 
-For every running request this keeps the planner's retrieval state in step with the tokens SGLang
-has committed, and counts what graft contributed:
+For every running request this keeps the planner's host sources (suffix index, corpus tail) in step
+with the tokens the *host* knows, and records what graft contributed:
 
-* created on the request's first decode round (``GraftPlanner.start_request`` with the prompt, then
-  ``extend`` with the output so far, ending in the tree root), advanced after every verify with the
-  committed tokens, freed when SGLang reports the request finished or aborted
-  (``BaseSpecWorker.note_request_finished``, ``batch_result_processor.py:1442``);
-* resynchronised whenever the invariant "the planner has seen ``seq_len + 1`` tokens, the last one
-  being the root" breaks (retraction, grammar truncation), rebuilt from the request's tokens;
-* entries of requests that stop showing up are swept after ``stale_rounds`` decode rounds, so a
-  request that leaves without a finish notification (e.g. aborted while retracted) cannot leak.
-
-Per emitted token the source is appended to ``req.customized_info["graft_src"]``, which SGLang
-streams into the response ``meta_info`` (``output_streamer.py:688``, ``tokenizer_manager.py:2577``):
-``"d"`` accepted draft node, ``"r"`` accepted retrieved (grafted) node, ``"p"`` accepted padding
-node, ``"t"`` token chosen by the target (the bonus token of a round, or the prefill token).
+* `GraftRequestTracker.prepare` (each round, before the graft step): a request seen for the first
+  time, or whose known tokens shrank (retraction), is (re)started from ``origin_input_ids +
+  output_ids``; otherwise only the new ``output_ids`` are appended. Under the overlap scheduler
+  ``output_ids`` lag the device by a round; the graft step re-anchors the host's proposals on the
+  device (graft_spec/step.py), so nothing here reads the device.
+* `GraftRequestTracker.record` (from the round's host output, after SGLang has committed the
+  tokens and before it streams them, ``auxiliary_output.py``): per request the source of each newly
+  visible token is appended to ``req.customized_info["graft_src"]``, which SGLang streams into the
+  response ``meta_info`` (``output_streamer.py:688``): ``"d"`` accepted draft node, ``"r"`` accepted
+  retrieved (grafted) node, ``"p"`` accepted padding node, ``"t"`` token chosen by the target (each
+  round's bonus token, and the prefill token). Per-request counters feed the log line written when
+  the request finishes (server-wide figures: ``sglang_patch.metrics.GraftStats``).
+* freed when SGLang reports the request finished or aborted (``note_request_finished``,
+  ``batch_result_processor.py:1442``); entries of requests that stop showing up are swept after
+  ``stale_rounds`` rounds, so a request that leaves without a finish notification cannot leak.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Sequence
+from typing import Hashable, List, Optional, Sequence
 
 from graft_spec.tree import NUM_SOURCES, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
 
@@ -39,7 +41,8 @@ TARGET_LETTER = "t"
 class RequestStats:
     """Counters of one request (host ints)."""
 
-    seen: int = 0                    # tokens the planner has seen (prompt + outputs incl. root)
+    prompt_len: int = 0
+    seen: int = 0                    # tokens the planner's host sources have seen (prompt + outputs)
     rounds: int = 0                  # verify rounds
     emitted: int = 0                 # tokens emitted by those rounds (sum of accept lengths)
     accepted: List[int] = field(default_factory=lambda: [0] * NUM_SOURCES)
@@ -52,23 +55,12 @@ class RequestStats:
                 f"accepted_draft={d} accepted_retrieved={r} accepted_padding={p}")
 
 
-def resync_history(prompt: Sequence[int], outputs: Sequence[int], seq_len: int, root: int) -> List[int]:
-    """The committed sequence the next tree hangs under: ``seq_len`` tokens, then the root.
-
-    SGLang's host ``output_ids`` may lag or lead the device by a round; ``seq_len`` (KV-committed
-    tokens) and the device root are authoritative, so the host tokens are cut to ``seq_len`` and
-    the root appended. Returns fewer than ``seq_len + 1`` tokens only when the host knows fewer.
-    """
-    full = list(prompt) + list(outputs)
-    return full[:seq_len] + [int(root)]
-
-
 class GraftRequestTracker:
     """Request id -> `RequestStats`, driving ``GraftPlanner`` start / extend / stop.
 
     Args:
         planner: ``graft_spec.pipeline.GraftPlanner``.
-        stale_rounds: decode rounds after which an untouched entry is swept.
+        stale_rounds: rounds after which an untouched entry is swept.
     """
 
     def __init__(self, planner, stale_rounds: int = 4096):
@@ -83,62 +75,64 @@ class GraftRequestTracker:
         """Requests holding graft state (tracker entries; planner state is freed with them)."""
         return len(self.states)
 
-    def prepare(self, reqs: Sequence, seq_lens: Sequence[int], roots: Sequence[int]) -> List[Hashable]:
-        """Make the planner's view of every request end at this round's root.
+    def prepare(self, reqs: Sequence) -> List[Hashable]:
+        """Bring the host sources up to the tokens each request has committed (host view).
 
         Args:
-            reqs: SGLang ``Req`` objects of the batch (``rid``, ``origin_input_ids``, ``output_ids``,
-                ``customized_info``).
-            seq_lens: committed lengths (host ints), row-aligned.
-            roots: root tokens (host ints), row-aligned.
+            reqs: SGLang ``Req`` objects of the batch (``rid``, ``origin_input_ids``, ``output_ids``).
         Returns:
             Request ids, row-aligned (the planner's ``req_ids``).
         """
         self.round += 1
         rids = []
-        for req, seq_len, root in zip(reqs, seq_lens, roots):
+        for req in reqs:
             rid = req.rid
             st = self.states.get(rid)
-            if st is None or st.seen != seq_len + 1:
-                history = resync_history(req.origin_input_ids, req.output_ids, seq_len, root)
-                prompt_len = min(len(req.origin_input_ids), len(history))
+            prompt, outputs = req.origin_input_ids, req.output_ids
+            total = len(prompt) + len(outputs)
+            if st is None or st.seen > total or st.prompt_len != len(prompt):
                 if st is None:
                     st = RequestStats()
                     self.states[rid] = st
-                self.planner.start_request(rid, history[:prompt_len])
-                self.planner.extend(rid, history[prompt_len:])
-                st.seen = len(history)
-                self._align_meta(req, len(history) - len(req.origin_input_ids))
+                self.planner.start_request(rid, prompt)
+                self.planner.extend(rid, outputs)
+                st.prompt_len, st.seen = len(prompt), total
+            elif st.seen < total:
+                self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
+                st.seen = total
             st.last_round = self.round
             self.states.move_to_end(rid)
             rids.append(rid)
         self._sweep()
         return rids
 
-    def commit(self, reqs: Sequence, emitted: Sequence[Sequence[int]],
-               node_sources: Sequence[Sequence[int]]) -> None:
-        """Record one verify round.
+    def record(self, reqs: Sequence, commits: Sequence, sources: Sequence[Sequence[int]]) -> None:
+        """One verified round, as the scheduler commits it (host data only).
 
         Args:
             reqs: the batch's ``Req`` objects.
-            emitted: per request the committed tokens (accepted nodes' tokens, then the bonus).
-            node_sources: per request the ``SOURCE_*`` of every accepted non-root node, in path order
-                (``len == len(emitted) - 1``).
+            commits: per request SGLang's ``CommittedTokens`` (``output_index``, ``token_ids``: the
+                newly visible tokens) or None.
+            sources: per request the ``SOURCE_*`` of each accepted non-root node in path order, -1
+                after the path (the bonus token follows them).
         """
-        for req, toks, srcs in zip(reqs, emitted, node_sources):
+        for req, commit, srcs in zip(reqs, commits, sources):
             st = self.states.get(req.rid)
-            if st is None:
+            accepted = [int(s) for s in srcs if s >= 0]
+            if st is not None:
+                st.rounds += 1
+                st.emitted += len(accepted) + 1
+                for s in accepted:
+                    st.accepted[s] += 1
+            if commit is None:
                 continue
-            self.planner.extend(req.rid, toks)
-            st.seen += len(toks)
-            st.rounds += 1
-            st.emitted += len(toks)
-            for s in srcs:
-                st.accepted[int(s)] += 1
-            letters = [SOURCE_LETTER.get(int(s), "?") for s in srcs] + [TARGET_LETTER]
+            letters = [SOURCE_LETTER.get(s, "?") for s in accepted] + [TARGET_LETTER]
             meta = self._meta(req)
             if meta is not None:
-                meta.extend(letters)
+                start = commit.output_index
+                del meta[start:]
+                meta.extend([TARGET_LETTER] * (start - len(meta)))   # the prefill token(s)
+                meta.extend(letters[: len(commit.token_ids)])
 
     def finish(self, rid: Hashable) -> None:
         """Free a finished / aborted request (no-op for unknown ids); logs its summary."""
@@ -159,9 +153,8 @@ class GraftRequestTracker:
             self.planner.stop_request(rid)
             logger.info("graft request %s swept after %d idle rounds", rid, self.stale_rounds)
 
-    # ------------------------------------------------------------------ meta info
     @staticmethod
-    def _meta(req):
+    def _meta(req) -> Optional[list]:
         info = getattr(req, "customized_info", None)
         if info is None:
             try:
@@ -169,11 +162,3 @@ class GraftRequestTracker:
             except AttributeError:
                 return None
         return info.setdefault(META_KEY, [])
-
-    def _align_meta(self, req, outputs_so_far: int) -> None:
-        """Make the source list cover exactly the outputs committed before this round."""
-        meta = self._meta(req)
-        if meta is None:
-            return
-        del meta[max(outputs_so_far, 0):]
-        meta.extend([TARGET_LETTER] * (max(outputs_so_far, 0) - len(meta)))

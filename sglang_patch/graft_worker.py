@@ -1,47 +1,58 @@
-"""``GraftWorker``: SGLang's EAGLE V2 worker with prune-then-graft between drafting and verify.
+"""``GraftWorker``: SGLang's EAGLE V2 worker with the graft step between drafting and verify.
 
 Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.py:1416``):
 
-1. **Draft** — EAGLE-3 drafting. `GraftDraftWorker.draft_forward` rebinds the module
-   global ``organize_draft_results`` (``eagle_worker_v2.py:919``) for the duration of the call so
-   the dense tree's cumulative scores, tokens and parent list are copied into buffers allocated
-   once (the copy is recorded by CUDA-graph capture and refreshed by every replay). In eager
-   execution it also rebinds ``select_top_k_tokens`` (:812) to feed each depth's best cumulative
-   probability to ``graft_spec.prune.DraftStopGate``; once every request of the batch has fired a
-   checkpoint, the remaining draft forwards are skipped (paper Sec. 3.1: a low c_d stops the tree
-   early) and the nodes they would have produced get probability 0.
-2. **Prune -> retrieve -> graft** — `GraftDraftWorker.draft` rebinds ``build_eagle_verify_input``
-   (``eagle_worker_v2.py:717``) to `GraftDraftWorker._build_verify_input`, which reranks the dense
-   tree (``graft_spec.tree.eagle_rerank``), lets ``GraftPlanner.build`` prune, retrieve and graft
-   it into N nodes, and lays the hybrid tree out as a `GraftVerifyInput`.
-3. **Verify** — SGLang's ``run_eagle_verify`` (greedy, or target-only tree sampling; the CPU layer
-   routes both to ``graft_spec.verify``). `GraftWorker.verify` then feeds the target's top-k at
-   every non-padding node to the successor matrix, commits the emitted tokens to the planner and
-   counts accepted nodes per source.
-4. **Draft extend** — unchanged.
+1. **Draft** — EAGLE-3 drafting, unchanged but observed. `GraftDraftWorker.draft_forward` rebinds the
+   module global ``organize_draft_results`` (``eagle_worker_v2.py:919``) for the duration of the
+   call so the dense tree's cumulative scores, tokens and parent list are copied into buffers
+   allocated once (the copy is recorded by CUDA-graph capture and refreshed by every replay). In
+   eager execution it also rebinds ``select_top_k_tokens`` (:812) to feed each depth's best
+   cumulative probability to a stop gate (graft_spec/gate.py; with checkpoints, prune.py's): once no
+   deeper draft node could be selected, the remaining draft forwards are skipped and the nodes they
+   would have produced get probability 0. Under CUDA-graph replay the full depth is drafted.
+2. **Host proposals** — the suffix index / corpus fill the pinned candidate buffer from the tokens
+   the host knows (``req.output_ids``, which lag a round under the overlap scheduler) and upload it
+   with one non-blocking copy: after the draft graph was launched, or before drafting when the eager
+   stop gate needs them.
+3. **Graft step** — `GraftDraftWorker.draft` rebinds ``build_eagle_verify_input`` (:717) to
+   `GraftDraftWorker._build_verify_input`, which runs ``GraftPlanner.build`` (graft_spec/step.py: one
+   pure device function, static shapes, no host read) and lays the tree out as a `GraftVerifyInput`.
+4. **Verify** — SGLang's ``run_eagle_verify`` (greedy, or target-only tree sampling; the CPU layer
+   routes both to ``graft_spec.verify``). `GraftWorker.verify` then runs the device bookkeeping
+   (``GraftPlanner.observe``: calibration counts, successor table, commit log) and attaches a
+   ``DeviceAuxiliaryOutput`` (``managers/auxiliary_output.py``): SGLang copies it to the host with its
+   own result copy and calls ``consume`` before streaming, where per-token sources and counters are
+   recorded (`GraftRequestTracker.record`). No host read in the worker's decode path.
+5. **Draft extend** — unchanged, launched right after verify.
 
-The worker holds no algorithm: it translates SGLang tensors to ``graft_spec`` and back.
+SGLang globals rebound for the length of a call (``_rebound``): ``eagle_worker_v2.organize_draft_results``
+(:919), ``eagle_worker_v2.select_top_k_tokens`` (:812, eager with a gate), ``eagle_worker_v2
+.build_eagle_verify_input`` (:717), and the draft runner's ``forward`` (eager counting / skipping).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
+from sglang.srt.managers.auxiliary_output import append_auxiliary_output
 from sglang.srt.runtime_context import get_spec
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
-from graft_spec.pipeline import GraftPlanner
+from graft_spec.pipeline import GraftPlanner, RoundStats, on_path_from_accept_index
 from graft_spec.prune import DraftStopGate
-from graft_spec.tree import SOURCE_PADDING, eagle_rerank
+from graft_spec.retrieval.buffer import HostCandidates
+from graft_spec.step import dense_draft_candidates
 from sglang_patch.args import effective_graft_config
-from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, split_eagle_lists
+from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker
+from sglang_patch.metrics import GraftStats, prometheus_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +87,42 @@ class _DenseTreeSink:
         self.scores = torch.zeros(max_bs, s, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_bs, s, dtype=torch.int64, device=device)
         self.parents = torch.zeros(max_bs, 1 + topk * (steps - 1), dtype=torch.int64, device=device)
-        self.bs = 0
 
     def capture(self, score_list, token_list, parent_list) -> None:
         scores = torch.cat([x.reshape(x.shape[0], -1) for x in score_list], dim=1)
-        tokens = torch.cat(token_list, dim=1)
         bs = scores.shape[0]
         self.scores[:bs].copy_(scores)
-        self.tokens[:bs].copy_(tokens)
+        self.tokens[:bs].copy_(torch.cat(token_list, dim=1))
         if parent_list.shape[1] > 0:
             self.parents[:bs].copy_(parent_list)
-        self.bs = bs
+
+
+@dataclass
+class _RoundHost:
+    """``HostAuxiliaryOutput`` of a round: its `RoundStats` on the host (SGLang calls `consume` after
+    committing the round's tokens and before streaming them, ``auxiliary_output.py``)."""
+
+    worker: "GraftWorker"
+    stats: RoundStats
+
+    def consume(self, batch, commits) -> None:
+        sources = self.stats.sources.tolist()
+        self.worker.requests.record(batch.reqs, commits, sources)
+        self.worker.stats.record_round(sources, self.stats.members.tolist(), self.stats.depths.tolist())
+
+
+@dataclass
+class _RoundDevice:
+    """``DeviceAuxiliaryOutput`` of a round: SGLang copies it to the host with its own result copy
+    (pinned, non-blocking: ``GenerationBatchResult.copy_to_cpu``)."""
+
+    worker: "GraftWorker"
+    stats: RoundStats
+
+    def copy_to_host(self, copy_tensor) -> _RoundHost:
+        s = self.stats
+        return _RoundHost(self.worker, RoundStats(copy_tensor(s.sources), copy_tensor(s.members),
+                                                  copy_tensor(s.depths)))
 
 
 class GraftDraftWorker(EagleDraftWorker):
@@ -96,6 +132,9 @@ class GraftDraftWorker(EagleDraftWorker):
     _sink: Optional[_DenseTreeSink] = None
     #: depth after which the last eager draft call stopped (None: the full depth was drafted)
     _depth_limit: Optional[int] = None
+    #: host proposals prepared before drafting (eager gate), else None
+    _host: Optional[HostCandidates] = None
+    _gate = None
 
     def _ensure_sink(self, bs: int) -> _DenseTreeSink:
         if self._sink is None or self._sink.scores.shape[0] < bs:
@@ -103,16 +142,16 @@ class GraftDraftWorker(EagleDraftWorker):
             self._sink = _DenseTreeSink(max(bs, pool), self.topk, self.speculative_num_steps, self.device)
         return self._sink
 
-    def _stop_gate(self, forward_batch) -> Optional[DraftStopGate]:
-        """A gate for this eager call, or None where drafting must run the full depth: disabled
-        in the config, no checkpoints, or a sampled batch whose verify reads the draft
-        distribution of every step."""
-        cfg = self.graft.config
-        if not cfg.stop_drafting_early or not cfg.checkpoints or forward_batch.forward_mode.is_idle():
-            return None
-        if get_spec().speculative_use_rejection_sampling and not forward_batch.sampling_info.is_all_greedy:
-            return None
-        return DraftStopGate(cfg.checkpoints, forward_batch.batch_size, device=self.device)
+    def _eager(self) -> bool:
+        return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+    def draft(self, batch, *, with_topology: bool = False):
+        """``EagleDraftWorker.draft`` building the graft tree instead of the EAGLE tree."""
+        self._depth_limit, self._host, self._gate = None, None, None
+        if not batch.forward_mode.is_idle() and self.cuda_graph_runner is None:  # eager drafting
+            self._gate, self._host = self.graft.stop_gate(batch)
+        with _rebound(_ev2, "build_eagle_verify_input", self._build_verify_input):
+            return super().draft(batch, with_topology=with_topology)
 
     def draft_forward(self, forward_batch):
         """``EagleDraftWorker.draft_forward`` with the dense tree captured into `_DenseTreeSink`;
@@ -127,9 +166,8 @@ class GraftDraftWorker(EagleDraftWorker):
             self._ensure_sink(score_list[0].shape[0]).capture(score_list, token_list, parent_list)
             return parent_list, top_scores_index, draft_tokens
 
-        self._depth_limit = None
-        eager = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-        gate = self._stop_gate(forward_batch) if eager else None
+        eager = self._eager()
+        gate = self._gate if eager and not forward_batch.forward_mode.is_idle() else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(_rebound(_ev2, "organize_draft_results", organize_and_capture))
             if gate is not None:
@@ -141,16 +179,10 @@ class GraftDraftWorker(EagleDraftWorker):
                 vocab = (self.hot_token_id.numel() if self.hot_token_id is not None
                          else runner.model_config.vocab_size)
                 stack.enter_context(_rebound(runner, "forward", _counted_forward(
-                    runner.forward, gate, self.graft.draft_steps, vocab)))
+                    runner.forward, gate, self.graft.stats, vocab)))
             result = super().draft_forward(forward_batch)
         self._depth_limit = gate.stop_depth if gate is not None else None
         return result
-
-    def draft(self, batch, *, with_topology: bool = False):
-        """``EagleDraftWorker.draft`` building the graft tree instead of the EAGLE tree."""
-        self._depth_limit = None  # a CUDA-graph replay drafts the full depth
-        with _rebound(_ev2, "build_eagle_verify_input", self._build_verify_input):
-            return super().draft(batch, with_topology=with_topology)
 
     def _build_verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
                             draft_probs, *, target_worker, topk, num_steps, num_draft_tokens,
@@ -163,18 +195,16 @@ class GraftDraftWorker(EagleDraftWorker):
         if sink is None or sink.scores.shape[0] < bs:
             # Rows [:bs] are written by the eager call or by the graph replay (padded bs >= bs).
             raise RuntimeError(f"graft: the dense draft tree of batch size {bs} was not captured")
-        scores, tokens, parents = split_eagle_lists(sink.scores[:bs], sink.tokens[:bs], sink.parents[:bs],
-                                                    topk, num_steps)
+        host = self._host if self._host is not None else self.graft.host_candidates(batch)
+        scores = sink.scores[:bs]
         if self._depth_limit is not None:  # nodes deeper than the stop depth were never drafted
-            scores = [x if i < self._depth_limit else torch.zeros_like(x) for i, x in enumerate(scores)]
-        lists = (scores, tokens, parents)
+            s_keep = topk + (self._depth_limit - 1) * topk * topk
+            scores = torch.cat([scores[:, :s_keep], torch.zeros_like(scores[:, s_keep:])], dim=1)
+        draft = dense_draft_candidates(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
-        draft = eagle_rerank(*lists, root_tokens=roots, num_nodes=num_draft_tokens)
-
-        seq_lens_cpu = (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
-                        else batch.seq_lens.tolist())
-        rids = self.graft.requests.prepare(batch.reqs, seq_lens_cpu, roots.tolist())
-        hybrid = self.graft.planner.build(draft, rids)
+        self.graft._slots()
+        out = self.graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens,
+                                       self.graft.sampled_rows(batch))
 
         verify_mask = target_worker.model_runner.attn_backend.verify_mask
         if verify_mask is None:
@@ -182,12 +212,17 @@ class GraftDraftWorker(EagleDraftWorker):
         else:
             mode, fill = verify_mask.mode, verify_mask.is_read
             buffer = verify_mask.buffer if verify_mask.fits(bs) else None
-        return build_graft_verify_input(
-            hybrid, batch.seq_lens, seq_lens_cpu, mode=mode, topk=topk, steps=num_steps,
-            mask_buffer=buffer, fill_prefix=fill)
+        numel = None
+        if buffer is None:  # as eagle_worker_common.py:417: the host's sum, else an upper bound
+            total = batch.seq_lens_sum
+            if total is None:
+                total = bs * target_worker.model_runner.attn_backend.max_context_len
+            numel = tree_mask_numel(mode, bs, num_draft_tokens, total)
+        return build_graft_verify_input(out, batch.seq_lens, mode=mode, topk=topk, steps=num_steps,
+                                        mask_buffer=buffer, fill_prefix=fill, full_mask_numel=numel)
 
 
-def _gated_select(select, gate: DraftStopGate, bs: int):
+def _gated_select(select, gate, bs: int):
     """``select_top_k_tokens`` that reports each depth's best cumulative draft probability to
     ``gate`` (its 4th result is ``(scores of depth i+1, tokens, parents)``)."""
 
@@ -200,15 +235,15 @@ def _gated_select(select, gate: DraftStopGate, bs: int):
     return select_and_gate
 
 
-def _counted_forward(forward, gate: Optional[DraftStopGate], counters: dict, vocab: int):
-    """``ModelRunner.forward`` of the draft that counts into ``counters`` {run, skipped} and,
-    once ``gate`` has stopped, returns `_skipped_draft_output` instead of running."""
+def _counted_forward(forward, gate, stats: GraftStats, vocab: int):
+    """``ModelRunner.forward`` of the draft that counts into ``stats`` (run / skipped) and, once
+    ``gate`` has stopped, returns `_skipped_draft_output` instead of running."""
 
     def forward_unless_stopped(fb, *args, **kwargs):
         if gate is None or gate.stop_depth is None:
-            counters["run"] += 1
+            stats.count_draft_forward(True)
             return forward(fb, *args, **kwargs)
-        counters["skipped"] += 1
+        stats.count_draft_forward(False)
         return _skipped_draft_output(fb, vocab)
 
     return forward_unless_stopped
@@ -230,8 +265,9 @@ class GraftWorker(EAGLEWorkerV2):
 
     Attributes:
         config: effective ``GraftConfig`` (tree shape = SGLang's resolved shape).
-        planner: ``GraftPlanner`` (retrieval state of all requests, successor matrix).
-        requests: `GraftRequestTracker` (per-request state and counters).
+        planner: ``GraftPlanner`` on the worker's device (calibrator, successor table, commit log,
+            host sources).
+        requests: `GraftRequestTracker` (per-request host state and counters).
     """
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
@@ -244,15 +280,51 @@ class GraftWorker(EAGLEWorkerV2):
         if shape != (self.config.num_draft_tokens, self.config.topk, self.config.depth):
             raise RuntimeError(f"graft: resolved tree shape {shape} differs from the graft config")
         vocab = target_worker.model_config.vocab_size
-        self.planner = GraftPlanner(self.config, vocab_size=vocab, device="cpu")
+        max_bs = resolving_view(server_args).max_running_requests or 1
+        # the commit log's rows are request-pool slots; the pool is allocated after this constructor
+        self.planner = GraftPlanner(self.config, vocab_size=vocab, device=self.device, max_batch=max_bs)
         self.requests = GraftRequestTracker(self.planner)
-        self.successor_k = self.config.retrieval.successor_k if self.config.retrieval.successor else 0
-        #: eager draft forwards run / skipped by the stop gate since start (server stats)
-        self.draft_steps = {"run": 0, "skipped": 0}
+        #: server-wide statistics (``/server_info``, and ``/metrics`` with ``--enable-metrics``)
+        self.stats = GraftStats(prometheus=prometheus_enabled())
         if self._draft_worker is not None:
             self._draft_worker.__class__ = GraftDraftWorker
             self._draft_worker.graft = self
         logger.info("graft worker ready: %s", self.config.model_dump_json())
+
+    def _slots(self):
+        """The batch's request-pool slots (commit-log rows), sizing the log on first use."""
+        pool = self.target_worker.model_runner.req_to_token_pool
+        self.planner.commits.ensure(pool.req_to_token.shape[0])
+        return pool
+
+    # ------------------------------------------------------------------ per round (host side)
+    def host_candidates(self, batch) -> HostCandidates:
+        """Sync the host sources with the batch's requests and upload their proposals."""
+        return self.planner.host_candidates(self.requests.prepare(batch.reqs))
+
+    @staticmethod
+    def sampled_rows(batch) -> torch.Tensor:
+        """``bool[B]``: rows verified by sampling (SGLang maps temperature 0 to top_k 1)."""
+        return batch.sampling_info.top_ks.reshape(-1) > 1
+
+    def stop_gate(self, batch):
+        """``(gate, host)`` for a round drafted eagerly: the stop gate (None when disabled, or for a
+        sampled batch under checkpoints with rejection sampling) and, with the expected-gain gate, the
+        host proposals, prepared here because the gate needs them before drafting (else None: they
+        are prepared after the draft was launched)."""
+        cfg = self.config
+        if not cfg.stop_drafting_early:
+            return None, None
+        bs = batch.seq_lens.shape[0]
+        if cfg.checkpoints:
+            if get_spec().speculative_use_rejection_sampling and not batch.sampling_info.is_all_greedy:
+                return None, None
+            return DraftStopGate(cfg.checkpoints, bs, device=self.device), None
+        host = self.host_candidates(batch)
+        roots = batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64)
+        gate = self.planner.stop_gate(roots, host, batch.req_pool_indices, batch.seq_lens,
+                                      self.sampled_rows(batch))
+        return gate, host
 
     # ------------------------------------------------------------------ scheduler hooks
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
@@ -263,35 +335,49 @@ class GraftWorker(EAGLEWorkerV2):
         """Requests currently holding graft state (tests, logs)."""
         return self.requests.live()
 
+    # ------------------------------------------------------------------ prefill
+    def _forward_prefill_batch(self, batch, on_publish=None, pp_proxy_tensors=None, coordination_plan=None):
+        """Target prefill + draft extend, then (device only) the first token into the commit log and
+        the prompt bigrams into the successor table (warm start)."""
+        result = super()._forward_prefill_batch(batch, on_publish, pp_proxy_tensors, coordination_plan)
+        if batch.forward_mode.is_idle() or not isinstance(result.next_token_ids, torch.Tensor):
+            return result
+        first = result.next_token_ids.reshape(-1).to(torch.int64)
+        self._slots()
+        slots = batch.req_pool_indices
+        self.planner.commits.record(slots, first[:, None], torch.ones_like(first))
+        ids = batch.input_ids
+        lens = getattr(batch, "extend_lens", None)
+        if self.planner.successor is not None and ids is not None and lens and ids.numel() > 1:
+            # prefill only (not the decode path): one small host-to-device copy of the lengths
+            ids = ids.reshape(-1).to(torch.int64)
+            starts = torch.tensor(lens, device=ids.device).cumsum(0)
+            same = torch.ones(ids.numel() - 1, dtype=torch.bool, device=ids.device)
+            same[(starts[:-1] - 1).clamp(0, ids.numel() - 2)] = False
+            self.planner.successor.warm_start(ids[:-1], ids[1:], same)
+        return result
+
     # ------------------------------------------------------------------ verify
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
-        """EAGLE verify of the hybrid tree, then the graft bookkeeping of the round."""
+        """EAGLE verify of the hybrid tree, then the round's device bookkeeping."""
         verify_input = batch.spec_info
         result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
-        if isinstance(verify_input, GraftVerifyInput) and not batch.forward_mode.is_idle():
+        if (isinstance(verify_input, GraftVerifyInput) and verify_input.graft_out is not None
+                and not batch.forward_mode.is_idle()):
             self._after_verify(batch, verify_input, result)
         return result
 
     def _after_verify(self, batch, vi: GraftVerifyInput, result) -> None:
-        bs = len(batch.reqs)
-        n = vi.draft_token_num
-        tokens = vi.draft_token.view(bs, n)
-        sources = vi.node_source.to(tokens.device)
-        # Successor matrix: the target's top-k after every verified non-padding node.
-        if self.successor_k > 0 and result.logits_output.next_token_logits is not None:
-            logits = result.logits_output.next_token_logits
-            topk_ids = torch.topk(logits[: bs * n].float(), self.successor_k, dim=-1).indices
-            node_tokens = torch.where(sources == SOURCE_PADDING, -1, tokens).reshape(-1)
-            self.planner.observe_tokens(node_tokens.cpu(), topk_ids.cpu())
-        # Emitted tokens and accepted sources, per request.
-        accept_lens: List[int] = result.accept_lens.tolist()
-        accept_index = result.accept_index.to(torch.int64).cpu()
-        predict = result.next_token_ids.view(bs, -1).cpu()
-        src_cpu = sources.cpu()
-        emitted, accepted_sources = [], []
-        for b in range(bs):
-            k = int(accept_lens[b])
-            local = accept_index[b, 1:k] - b * n
-            accepted_sources.append(src_cpu[b, local].tolist())
-            emitted.append(predict[b, :k].tolist())
-        self.requests.commit(batch.reqs, emitted, accepted_sources)
+        out = vi.graft_out
+        bs, n = out.tree.tokens.shape
+        topk_ids = None
+        logits = result.logits_output.next_token_logits
+        if self.planner.successor is not None and logits is not None:
+            topk_ids = torch.topk(logits[: bs * n], self.planner.successor.k, dim=-1).indices
+        on_path = on_path_from_accept_index(result.accept_index, n)
+        committed = result.next_token_ids.view(bs, -1)
+        stats = self.planner.observe(out, on_path, topk_ids, committed, result.accept_lens,
+                                     batch.req_pool_indices)
+        stats.sources = stats.sources.to(torch.int8)
+        result.logits_output.auxiliary_device_output = append_auxiliary_output(
+            result.logits_output.auxiliary_device_output, _RoundDevice(self, stats))

@@ -37,10 +37,10 @@ def register_graft() -> None:
     from sglang_patch.spec_algo import ALGORITHM_NAME, GraftSpec
 
     if get_spec(ALGORITHM_NAME) is None:
-        # supports_overlap=False: GraftSpec.create_worker refuses overlap itself with a reason,
-        # and handle_server_args turns overlap off by default.
+        # supports_overlap=True: the graft step has no host read and re-anchors the host's
+        # proposals on the device, so it runs under SGLang's default overlap scheduler.
         SpeculativeAlgorithm.register(
-            ALGORITHM_NAME, supports_overlap=False, spec_class=GraftSpec
+            ALGORITHM_NAME, supports_overlap=True, spec_class=GraftSpec
         )(_graft_worker_factory)
 
     if not _HOOKS_REGISTERED:

@@ -17,10 +17,13 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
     queues:        running, waiting
     leak_warnings: SGLang's own idle invariant check (KV pool / req pool leak warnings so far)
     worker:        (graft only) live_requests (tracker), planner_live_requests, finished_total,
-                   draft_steps {run, skipped} (eager draft forwards run; skipped by the stop gate),
-                   planner_memory_bytes, memory_bytes_by_source {name: bytes},
-                   suffix_max_nodes_per_request (largest live suffix trie), suffix_rebuilds,
-                   accepted_by_source {draft, retrieved, padding} (cumulative, finished + live),
+                   planner_memory_bytes, memory_bytes_by_source {name: bytes} (suffix, corpus, the
+                   successor table), suffix_max_nodes_per_request, suffix_rebuilds, and the host
+                   statistics of ``sglang_patch.metrics.GraftStats.summary``: accepted_tokens {draft,
+                   retrieved, padding, bonus}, accept_length_hist, calibration {member: {trials,
+                   estimated, observed}} (mean estimated vs observed acceptance of the verified nodes
+                   each source proposed), acceptance_by_depth, draft_forwards {run, skipped}
+                   (also as draft_steps); accepted_by_source {draft, retrieved, padding};
                    config caps (suffix_max_nodes, suffix_max_depth, successor_k)
 
 Idle means: queues 0/0, ``kv.used == 0`` and ``kv.protected == 0``, ``req_slots.available ==
@@ -99,11 +102,12 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
     planner = getattr(worker, "planner", None)
     tracker = getattr(worker, "requests", None)
     sources = list(_safe(lambda: planner.retriever.sources, []) or [])
+    if _safe(lambda: planner.successor) is not None:
+        sources.append(planner.successor)
     out: Dict[str, Any] = {
         "live_requests": int(worker.live_graft_requests()),
         "planner_live_requests": _safe(lambda: int(planner.live_requests())),
         "finished_total": _safe(lambda: int(tracker.finished_total)),
-        "draft_steps": _safe(lambda: dict(worker.draft_steps)),
         "planner_memory_bytes": _safe(lambda: int(planner.memory_bytes())),
         "memory_bytes_by_source": {getattr(src, "name", type(src).__name__):
                                    _safe(lambda src=src: int(src.memory_bytes())) for src in sources},
@@ -113,27 +117,17 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
         if hasattr(src, "num_nodes"):  # the suffix index: per-request trie sizes
             out["suffix_max_nodes_per_request"] = max((src.num_nodes(r) for r in rids), default=0)
             out["suffix_rebuilds"] = int(getattr(src, "rebuilds", 0))
-    totals = _safe(lambda: _accepted_totals(tracker))
-    if totals is not None:
-        out["accepted_by_source"] = totals
+    stats = _safe(lambda: worker.stats.summary())
+    if stats is not None:  # host accumulators: no device read here
+        out.update(stats)
+        out["draft_steps"] = stats["draft_forwards"]
+        out["accepted_by_source"] = {k: v for k, v in stats["accepted_tokens"].items() if k != "bonus"}
     cfg = _safe(lambda: planner.config.retrieval)
     if cfg is not None:
         out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,
                          "suffix_max_depth": cfg.suffix_max_depth, "successor": cfg.successor,
                          "successor_k": cfg.successor_k}
     return out
-
-
-def _accepted_totals(tracker) -> Dict[str, int]:
-    """Accepted nodes per source: the tracker's cumulative totals when it keeps them, else the sum
-    over live requests only (``RequestStats.accepted`` = [draft, retrieved, padding])."""
-    cumulative = getattr(tracker, "accepted_total", None)
-    rows = [cumulative] if cumulative is not None else [st.accepted for st in tracker.states.values()]
-    d = sum(int(r[0]) for r in rows)
-    g = sum(int(r[1]) for r in rows)
-    p = sum(int(r[2]) for r in rows)
-    return {"draft": d, "retrieved": g, "padding": p,
-            "scope": "cumulative" if cumulative is not None else "live_requests"}
 
 
 def collect(scheduler) -> Dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,17 +89,6 @@ class GraftSpec(CustomSpecAlgo):
         apply_graft_server_defaults(server_args)
 
     def create_worker(self, server_args: "ServerArgs"):
-        """Return :class:`~sglang_patch.graft_worker.GraftWorker`.
-
-        Raises:
-            ValueError: when the overlap scheduler is still on (``handle_server_args`` turns it off;
-                docs/sglang_graft.md explains why graft runs synchronously).
-        """
-        cfg = resolving_view(server_args)
-        if not cfg.disable_overlap_schedule:
-            raise ValueError(
-                "speculative algorithm graft runs without the overlap scheduler "
-                "(it needs the accepted tokens of round k on the host to retrieve "
-                "candidates for round k+1); pass --disable-overlap-schedule."
-            )
+        """Return :class:`~sglang_patch.graft_worker.GraftWorker` (overlap scheduler or not: the
+        graft step reads nothing from the host, and host proposals are re-anchored on the device)."""
         return self.factory(server_args)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from graft_spec.bench.client import RequestResult, RunResult
-from graft_spec.bench.methods import build_methods, stage_checkpoints
-from graft_spec.bench.prompts import load_prompts
-from graft_spec.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_plots
+from sglang_patch.bench.client import RequestResult, RunResult
+from sglang_patch.bench.methods import build_methods, stage_checkpoints
+from sglang_patch.bench.prompts import load_prompts
+from sglang_patch.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_plots
 from graft_spec.config import GraftConfig
 
 ALL = ["nospec", "eagle3_dense", "eagle3", "pruned_only", "retrieval_only", "graft"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graft_spec.config import GraftConfig
+from graft_spec.step import tree_draft_candidates
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.tree import SOURCE_RETRIEVED
 from graft_spec.chain import best_chain, spine_tree
@@ -81,6 +82,16 @@ def test_spine_tree_rejects_bad_shapes():
         spine_tree(torch.tensor([1]), torch.zeros(1, 2, 3), torch.zeros(1, 2, 2, dtype=torch.int64))
 
 
+def build_hybrid(planner: GraftPlanner, spine, req_ids):
+    """The planner's hybrid tree for a spine draft, the host sources anchored at the root."""
+    b = len(req_ids)
+    host = planner.host_candidates(req_ids)
+    planner.commits.ensure(b)
+    seq = torch.tensor([planner.seen(r) - 1 for r in req_ids])
+    return planner.build(tree_draft_candidates(spine), spine.tokens[:, 0], host, torch.arange(b), seq,
+                         torch.zeros(b, dtype=torch.bool)).tree
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_best_chain_maximises_true_expected_length_under_fake_target(seed):
     """Perfect drafter (draft == fake target), no retrieval: every draft node's logp is the
@@ -90,9 +101,7 @@ def test_best_chain_maximises_true_expected_length_under_fake_target(seed):
     target = _fake_target(vocab, seed)
     roots = torch.randint(0, vocab, (b,), generator=torch.Generator().manual_seed(seed + 10))
     lp, ids = _draft_levels(target, roots, depth, k)
-    cfg = GraftConfig(num_draft_tokens=1 + depth * k, topk=k, depth=depth,
-                      retrieval={"successor": False, "suffix": False})
-    hybrid = GraftPlanner(cfg, vocab).build(spine_tree(roots, lp, ids), [f"r{i}" for i in range(b)])
+    hybrid = spine_tree(roots, lp, ids)   # logp = the drafter's = the target's path probability
     for max_len in (depth, 2):
         tokens, length, expected = best_chain(hybrid, max_len)
         for i in range(b):
@@ -135,7 +144,7 @@ def test_best_chain_matches_brute_force_on_hybrid_trees_with_retrieved_nodes():
     roots = torch.tensor([cycle[1]] * 4)
     weak = torch.log_softmax(torch.tensor(rng.normal(size=(vocab, vocab)), dtype=torch.float32), -1)
     lp, tok = _draft_levels(weak, roots, depth, k)
-    hybrid = planner.build(spine_tree(roots, lp, tok), ids)
+    hybrid = build_hybrid(planner, spine_tree(roots, lp, tok), ids)
     assert (hybrid.source == SOURCE_RETRIEVED).any(), "test needs retrieved nodes in the tree"
     picked_retrieved = False
     for max_len in (depth, 5):

@@ -70,28 +70,28 @@ def test_from_file_json_yaml_and_errors(tmp_path):
 
 
 def test_env_and_precedence(tmp_path):
-    env = {"GRAFT_NUM_DRAFT_TOKENS": "32", "GRAFT_RETRIEVAL__SUFFIX_MAX_DEPTH": "12",
-           "GRAFT_CHECKPOINTS": "[{depth: 1, threshold: 0.3, keep: 8}]", "GRAFT_RETRIEVAL__CORPUS": "false",
+    env = {"GRAFTCFG_NUM_DRAFT_TOKENS": "32", "GRAFTCFG_RETRIEVAL__SUFFIX_MAX_DEPTH": "12",
+           "GRAFTCFG_CHECKPOINTS": "[{depth: 1, threshold: 0.3, keep: 8}]", "GRAFTCFG_RETRIEVAL__CORPUS": "false",
            "OTHER": "1"}
     assert env_overrides(environ=env)["retrieval"] == {"suffix_max_depth": 12, "corpus": False}
     c = GraftConfig.from_env(environ=env)
     assert c.num_draft_tokens == 32 and c.retrieval.suffix_max_depth == 12 and c.checkpoints[0].keep == 8
     with pytest.raises(ValidationError, match="Extra inputs"):
-        GraftConfig.from_env(environ={"GRAFT_NOPE": "1"})
+        GraftConfig.from_env(environ={"GRAFTCFG_NOPE": "1"})
     with pytest.raises(ValidationError, match="num_draft_tokens"):
-        GraftConfig.from_env(environ={"GRAFT_NUM_DRAFT_TOKENS": "1"})
+        GraftConfig.from_env(environ={"GRAFTCFG_NUM_DRAFT_TOKENS": "1"})
 
     f = tmp_path / "base.yaml"
     f.write_text("num_draft_tokens: 20\ntopk: 4\ndepth: 4\nretrieval: {suffix_max_depth: 10, successor_k: 4}\n")
     # file < env < overrides; None overrides are ignored; dotted keys reach nested fields
     c = load_config(f, overrides={"topk": 5, "depth": None, "retrieval.successor_k": 6},
-                    environ={"GRAFT_TOPK": "3", "GRAFT_NUM_DRAFT_TOKENS": "22"})
+                    environ={"GRAFTCFG_TOPK": "3", "GRAFTCFG_NUM_DRAFT_TOKENS": "22"})
     assert (c.num_draft_tokens, c.topk, c.depth) == (22, 5, 4)
     assert (c.retrieval.suffix_max_depth, c.retrieval.successor_k) == (10, 6)
     # GRAFT_CONFIG names the file when none is given; env=False ignores the environment
-    c = load_config(environ={"GRAFT_CONFIG": str(f), "GRAFT_TOPK": "3"})
+    c = load_config(environ={"GRAFT_CONFIG": str(f), "GRAFTCFG_TOPK": "3"})
     assert (c.num_draft_tokens, c.topk) == (20, 3)
-    assert load_config(env=False, environ={"GRAFT_TOPK": "3"}).topk == GraftConfig().topk
+    assert load_config(env=False, environ={"GRAFTCFG_TOPK": "3"}).topk == GraftConfig().topk
     with pytest.raises(ValidationError, match="topk"):
         load_config(f, overrides={"topk": 1}, env=False)
 

@@ -1,44 +1,80 @@
-"""Pruning and grafting: budgets, ancestor closure, distinct siblings, path provenance."""
+"""Pruning and grafting: budgets, ancestor closure, distinct siblings, path provenance, member bins."""
 
 import math
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graft_spec.calibration import MEMBER_DRAFT, MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftPolicy, PruneStage
-from graft_spec.graft import graft, path_hashes
+from graft_spec.graft import merge_select, path_hashes
 from graft_spec.prune import DraftStopGate, prune
-from graft_spec.retrieval.base import Candidates
 from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank,
                              has_duplicate_siblings, node_depths, validate_parents)
 from test_core_reference import ref_ancestors, ref_depths, ref_paths, random_tree
 from test_core_tree import fake_eagle_lists
 
 
-def random_candidates(rng: random.Random, roots: list[int], m: int, vocab: int) -> Candidates:
-    rows = []
-    for root in roots:
+@dataclass
+class Cands:
+    """Retrieved candidates ``[B, M]`` (parents -1 = child of the root), as the tests build them."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    score: torch.Tensor
+    valid: torch.Tensor
+
+
+def graft(d: DraftTree, keep, cands, n, policy=None):
+    """The paper-mode stacking of graft_spec.step (kept draft nodes always in, pruned ones refill
+    below every retrieved node, retrieved nodes by score) over `merge_select`."""
+    policy = policy or GraftPolicy()
+    b, nd = d.tokens.shape
+    est_d = d.logp.exp().clamp(max=1.0)
+    refill = est_d - 2.0 if policy.refill_with_draft else torch.full_like(est_d, -math.inf)
+    key_d = torch.where(keep, math.inf, refill)
+    valid_d = (d.source == SOURCE_DRAFT) & torch.isfinite(d.logp)
+    toks, pars, key, est, valid = [d.tokens], [d.parents], [key_d], [est_d], [valid_d]
+    member = [torch.full_like(d.tokens, MEMBER_DRAFT)]
+    if cands is not None and cands.tokens.shape[1] > 0:
+        toks.append(cands.tokens)
+        pars.append(torch.where(cands.parents < 0, 0, cands.parents + nd))
+        key.append(cands.score)
+        est.append(cands.score)
+        valid.append(cands.valid)
+        member.append(torch.full_like(cands.tokens, MEMBER_SUFFIX))
+    cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
+    bins = torch.full_like(cat(toks), -1)
+    tree, _ = merge_select(cat(toks), cat(pars), cat(key), cat(est), cat(valid), cat(member), bins, n, policy)
+    return tree
+
+
+def random_candidates(rng: random.Random, roots: list[int], m: int, vocab: int) -> Cands:
+    b = len(roots)
+    tok = torch.zeros(b, m, dtype=torch.int64)
+    par = torch.full((b, m), -1, dtype=torch.int64)
+    score = torch.zeros(b, m)
+    for r in range(b):
         toks, pars = random_tree(rng, m + 1, vocab, distinct=rng.random() < 0.7)
         edge = [1.0] + [rng.uniform(0.05, 1.0) for _ in range(m)]
-        score = []
-        for i in range(m + 1):
-            score.append(math.prod(edge[j] for j in ref_ancestors(pars, i)))
-        rows.append((toks[1:], [p - 1 for p in pars[1:]], score[1:]))
-    c = Candidates.from_lists(rows)
+        for i in range(1, m + 1):
+            tok[r, i - 1] = toks[i]
+            par[r, i - 1] = pars[i] - 1
+            score[r, i - 1] = math.prod(edge[j] for j in ref_ancestors(pars, i))
+    valid = torch.ones(b, m, dtype=torch.bool)
     # knock out a random ancestor-closed part
-    valid = c.valid.clone()
-    for r in range(len(roots)):
+    for r in range(b):
         for i in range(m):
-            if rng.random() < 0.15 or (c.parents[r, i] >= 0 and not valid[r, c.parents[r, i]]):
+            if rng.random() < 0.15 or (par[r, i] >= 0 and not valid[r, par[r, i]]):
                 valid[r, i] = False
-    c.valid = valid
-    return c
+    return Cands(tok, par, score, valid)
 
 
-def cand_paths(c: Candidates, r: int, root: int) -> set:
+def cand_paths(c: Cands, r: int, root: int) -> set:
     toks = [root] + c.tokens[r].tolist()
     pars = [-1] + [p + 1 for p in c.parents[r].tolist()]
     val = [True] + c.valid[r].tolist()
@@ -107,8 +143,8 @@ def test_retrieved_path_hangs_under_deepest_existing_node():
     # draft: root 9 -> 1 -> 2 ; retrieved: 9 -> 1 -> 2 -> 3 -> 4 and 9 -> 1 -> 5
     d = DraftTree(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 1]]),
                   torch.tensor([[0.0, -0.1, -0.2]]), torch.zeros(1, 3, dtype=torch.int64))
-    c = Candidates(tokens=torch.tensor([[1, 2, 3, 4, 5]]), parents=torch.tensor([[-1, 0, 1, 2, 0]]),
-                   score=torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.1]]), valid=torch.ones(1, 5, dtype=torch.bool))
+    c = Cands(tokens=torch.tensor([[1, 2, 3, 4, 5]]), parents=torch.tensor([[-1, 0, 1, 2, 0]]),
+              score=torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.1]]), valid=torch.ones(1, 5, dtype=torch.bool))
     out = graft(d, torch.ones(1, 3, dtype=torch.bool), c, 6)
     assert out.tokens.tolist() == [[9, 1, 2, 3, 4, 5]]
     assert out.parents.tolist() == [[-1, 0, 1, 2, 3, 1]]
@@ -122,8 +158,8 @@ def test_freed_slots_go_to_best_scores_not_template_order():
     d = DraftTree(torch.tensor([[9, 1]]), torch.tensor([[-1, 0]]), torch.tensor([[0.0, -0.1]]),
                   torch.zeros(1, 2, dtype=torch.int64))
     # chain 5->6->7 with high scores listed *after* weak root children 2, 3
-    c = Candidates(tokens=torch.tensor([[2, 3, 5, 6, 7]]), parents=torch.tensor([[-1, -1, -1, 2, 3]]),
-                   score=torch.tensor([[0.05, 0.04, 0.9, 0.8, 0.7]]), valid=torch.ones(1, 5, dtype=torch.bool))
+    c = Cands(tokens=torch.tensor([[2, 3, 5, 6, 7]]), parents=torch.tensor([[-1, -1, -1, 2, 3]]),
+              score=torch.tensor([[0.05, 0.04, 0.9, 0.8, 0.7]]), valid=torch.ones(1, 5, dtype=torch.bool))
     out = graft(d, torch.ones(1, 2, dtype=torch.bool), c, 5)
     assert sorted(out.tokens[0, 2:].tolist()) == [5, 6, 7]
     out = graft(d, torch.ones(1, 2, dtype=torch.bool), c, 5, GraftPolicy(min_score=0.75))
@@ -138,6 +174,26 @@ def test_padding_tokens_distinct_from_root_children():
     assert out.source.tolist() == [[0, 0, 0, 2, 2, 2, 2]]
     assert out.parents.tolist() == [[-1, 0, 0, 0, 0, 0, 0]]
     assert torch.isinf(out.logp[0, 3:]).all()
+
+
+def test_member_bins_credit_every_proposing_source():
+    """A path proposed by the draft and by the suffix index is one node carrying both members' bins;
+    the node's estimate and source come from its best member."""
+    toks = torch.tensor([[9, 1, 2, 1, 2, 3]])
+    pars = torch.tensor([[-1, 0, 1, 0, 3, 4]])          # draft 9-1-2, suffix 9-1-2-3
+    est = torch.tensor([[1.0, 0.5, 0.2, 0.6, 0.4, 0.3]])
+    member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 3])
+    bins = torch.tensor([[-1, 10, 11, 20, 21, 22]])
+    tree, mb = merge_select(toks, pars, est, est, torch.ones(1, 6, dtype=torch.bool), member, bins, 5)
+    assert tree.tokens.tolist() == [[9, 1, 2, 3, 0]]
+    assert tree.source[0].tolist() == [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED, SOURCE_RETRIEVED,
+                                       SOURCE_PADDING]
+    assert torch.allclose(tree.logp[0, 1:4].exp(), torch.tensor([0.6, 0.4, 0.3]))
+    assert mb.shape == (1, 5, NUM_MEMBERS)
+    assert mb[0, 1, MEMBER_DRAFT] == 10 and mb[0, 1, MEMBER_SUFFIX] == 20
+    assert mb[0, 2, MEMBER_DRAFT] == 11 and mb[0, 2, MEMBER_SUFFIX] == 21
+    assert mb[0, 3].tolist() == [-1, -1, 22, -1]
+    assert (mb[0, 0] == -1).all() and (mb[0, 4] == -1).all()
 
 
 def test_path_hash_equal_iff_same_path():

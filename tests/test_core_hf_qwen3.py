@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from graft_spec.config import GraftConfig  # noqa: E402
 from graft_spec.metrics import AcceptanceStats  # noqa: E402
 from graft_spec.pipeline import GraftPlanner  # noqa: E402
+from graft_spec.step import tree_draft_candidates  # noqa: E402
 from graft_spec.tree import SOURCE_DRAFT, SOURCE_RETRIEVED, eagle_rerank, eagle_step  # noqa: E402
 from graft_spec.verify import greedy_verify  # noqa: E402
 
@@ -82,14 +83,14 @@ def test_greedy_tree_decoding_equals_generate(model):
     ref = ref[0, PROMPT:].tolist()
 
     cfg = GraftConfig(num_draft_tokens=N, topk=TOPK, depth=DEPTH,
-                      checkpoints=[{"depth": 1, "threshold": 0.35, "keep": 4}, {"depth": 2, "threshold": 0.25, "keep": 9}],
                       retrieval={"successor_k": 4, "suffix_max_depth": 8, "suffix_max_match": 4,
                                  "suffix_min_prob": 0.05})
     planner = GraftPlanner(cfg, vocab_size=V)
     planner.start_request("r", prompt)
     with torch.no_grad():
         pre = model(torch.tensor([prompt])).logits[0].float()
-    planner.observe_tokens(torch.tensor(prompt), pre.topk(4, -1).indices)   # warm start from prefill
+    # warm start from the prefill: the target's top-4 after every prompt token
+    planner.successor.update(torch.tensor(prompt), pre.topk(4, -1).indices, torch.ones(PROMPT, dtype=torch.bool))
     first = int(pre[-1].argmax())
     ctx, out = prompt + [first], [first]
     planner.extend("r", [first])
@@ -98,15 +99,21 @@ def test_greedy_tree_decoding_equals_generate(model):
     rejected_with_children = 0
     while len(out) < NEW:
         draft = draft_tree(model, ctx, g, noise=1.0)
-        tree = planner.build(draft, ["r"])
+        step = planner.build(tree_draft_candidates(draft), draft.tokens[:, 0], planner.host_candidates(["r"]),
+                             torch.zeros(1, dtype=torch.int64), torch.tensor([len(ctx) - 1]),
+                             torch.zeros(1, dtype=torch.bool))
+        tree = step.tree
         tree.validate()
         logits = tree_logits(model, ctx, tree)
         res = greedy_verify(tree.tokens, tree.parents, logits.argmax(-1)[None], source=tree.source)
-        planner.observe(tree, logits.topk(4, -1).indices[None])
         em = res.emitted(tree.tokens)[0]
+        on_path = torch.zeros(1, N, dtype=torch.bool).scatter_(1, res.accept_index.clamp(min=0),
+                                                                res.accept_index >= 0)
+        planner.observe(step, on_path, logits.topk(4, -1).indices[None], torch.tensor([em + [0] * (N - len(em))]),
+                        res.accept_length, torch.zeros(1, dtype=torch.int64))
         last = int(res.accept_index[0, res.accept_length[0] - 1])
         rejected_with_children += int((tree.parents[0] == last).any())
-        stats.update(res, stage=planner.last_info.prune.stage)
+        stats.update(res)
         ctx += em
         out += em
         planner.extend("r", em)

@@ -1,6 +1,7 @@
-"""Retrieval sources: successor matrix, counting trie, suffix index, corpus, planner lifecycle."""
+"""Retrieval sources: successor table, counting trie, suffix index, corpus, host buffer, planner lifecycle."""
 
 import json
+import math
 import random
 from collections import Counter
 
@@ -9,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graft_spec.calibration import MEMBER_CORPUS, MEMBER_SUFFIX
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
-from graft_spec.retrieval import CorpusIndex, CountTrie, Retriever, SuccessorMatrix, SuffixIndex, rank_template
-from graft_spec.tree import SOURCE_RETRIEVED, DraftTree, has_duplicate_siblings, validate_parents
+from graft_spec.retrieval import (CorpusIndex, CountTrie, HostCandidateBuffer, Retriever, SuccessorTable, SuffixIndex,
+                                  rank_template)
 
 
 # ----------------------------------------------------------------------------- successor matrix
@@ -36,57 +38,56 @@ def test_rank_template_shape(k, size, depth):
         seen.add((p, r))
 
 
-def test_successor_update_and_propose():
+def test_successor_update_and_expand():
     v, k = 50, 3
-    sm = SuccessorMatrix(v, k=k, max_depth=3, template_size=12)
-    c = sm.propose([0], torch.tensor([5]), 12)
-    assert not c.valid.any()
+    sm = SuccessorTable(v, k=k, max_depth=3, size=12)
+    toks, valid = sm.expand(torch.tensor([5]))
+    assert not valid.any()
     # rows: 5 -> [6, 7, 8], 6 -> [9, 10, 11], 7 -> [12, 13, 14]
-    sm.update(torch.tensor([5, 6, 7]), torch.tensor([[6, 7, 8], [9, 10, 11], [12, 13, 14]]))
-    c = sm.propose([0, 1], torch.tensor([5, 40]), 12)
+    sm.update(torch.tensor([5, 6, 7]), torch.tensor([[6, 7, 8], [9, 10, 11], [12, 13, 14]]),
+              torch.ones(3, dtype=torch.bool))
+    toks, valid = sm.expand(torch.tensor([5, 40]))
     par, rank, _ = rank_template(k, 12, 3, 0.4, 0.5)
     table = {5: [6, 7, 8], 6: [9, 10, 11], 7: [12, 13, 14]}
-    toks = []
+    want = []
     for p, r in zip(par, rank):
-        ptok = 5 if p < 0 else toks[p]
-        toks.append(table.get(ptok, [-1] * k)[r] if ptok >= 0 else -1)
-    assert c.valid[0].tolist() == [t >= 0 for t in toks]
-    assert [t for t, ok in zip(c.tokens[0].tolist(), c.valid[0].tolist()) if ok] == [t for t in toks if t >= 0]
-    assert not c.valid[1].any()  # unknown root
-    # scores are products of per-rank rates along the template path, non-increasing
-    rates = sm.rates()
+        ptok = 5 if p < 0 else want[p]
+        want.append(table.get(ptok, [-1] * k)[r] if ptok >= 0 else -1)
+    assert valid[0].tolist() == [t >= 0 for t in want]
+    assert [t for t, ok in zip(toks[0].tolist(), valid[0].tolist()) if ok] == [t for t in want if t >= 0]
+    assert not valid[1].any()  # unknown root
+    assert sm.t_parent.tolist() == par and sm.t_rank.tolist() == rank
+    # the slot prior is the product of rank priors along the template path
     for i in range(12):
-        exp = 1.0
-        j = i
+        exp, j = 1.0, i
         while j >= 0:
-            exp *= float(rates[rank[j]])
+            exp *= 0.4 * 0.5 ** rank[j]
             j = par[j]
-        assert c.score[0, i].item() == pytest.approx(exp, rel=1e-5)
+        assert sm.slot_prior[i].item() == pytest.approx(exp, rel=1e-5)
 
 
-def test_successor_hit_rates_learn():
-    sm = SuccessorMatrix(20, k=2, template_size=4)
-    r0 = sm.rates().clone()
-    sm.update(torch.tensor([1]), torch.tensor([[2, 3]]))
-    for _ in range(30):  # the target keeps predicting the old rank-1 token
-        sm.update(torch.tensor([1]), torch.tensor([[3, 2]]))
-        sm.update(torch.tensor([1]), torch.tensor([[2, 3]]))
-    r = sm.rates()
-    assert r[1] > r0[1] and r[0] < r0[0]
-    # short top-k leaves the remaining ranks empty; negative tokens are ignored
-    sm.update(torch.tensor([4, -1]), torch.tensor([[7], [8]]))
+def test_successor_update_is_deterministic_last_node_wins():
+    """A token verified at several nodes of a round takes the top-k of its last node, whatever order
+    the device applies writes in; invalid nodes, short top-k and out-of-vocabulary tokens."""
+    sm = SuccessorTable(20, k=2, size=4)
+    sm.update(torch.tensor([1, 4, 1, 3]), torch.tensor([[2, 3], [5, 6], [7, 8], [9, 9]]),
+              torch.tensor([True, True, True, False]))
+    assert sm.table[1].tolist() == [7, 8] and sm.table[4].tolist() == [5, 6]
+    assert sm.table[3].tolist() == [-1, -1]                     # invalid node: not learnt
+    sm.update(torch.tensor([4, -1, 25]), torch.tensor([[7], [8], [9]]), torch.ones(3, dtype=torch.bool))
     assert sm.table[4].tolist() == [7, -1]
+    assert (sm.table[20] == -1).all()                           # the empty-parent row stays empty
 
 
 def test_successor_prompt_warm_start():
-    sm = SuccessorMatrix(20, k=2)
-    sm.update(torch.tensor([3]), torch.tensor([[9, 8]]))
-    sm.start("r", [1, 2, 3, 4])
-    assert sm.table[1, 0] == 2 and sm.table[2, 0] == 3
-    assert sm.table[3].tolist() == [9, 8]  # verified rows are not overwritten by bigrams
-    assert sm.live_requests() == 1
-    sm.stop("r")
-    assert sm.live_requests() == 0
+    sm = SuccessorTable(20, k=2)
+    sm.update(torch.tensor([3]), torch.tensor([[9, 8]]), torch.ones(1, dtype=torch.bool))
+    ids = torch.tensor([1, 2, 3, 4, 1, 5])
+    sm.warm_start(ids[:-1], ids[1:], torch.tensor([True, True, True, False, True]))
+    assert sm.table[2, 0] == 3
+    assert sm.table[1, 0] == 5                    # the last bigram of a repeated token wins
+    assert sm.table[3].tolist() == [9, 8]         # verified rows are not overwritten by bigrams
+    assert sm.table[4, 0] == -1                   # a bigram across a request boundary is skipped
 
 
 # ----------------------------------------------------------------------------- counting trie
@@ -125,7 +126,8 @@ def test_trie_counts_equal_substring_counts(seqs, depth, chunk):
         assert t.active_match(max_len) == (loc, length)
         suf = seq[len(seq) - best:]
         nxt = Counter(s[i + best] for s in seqs for i in range(len(s) - best) if s[i:i + best] == suf)
-        occ = sum(1 for s in seqs for i in range(len(s) - best + 1) if s[i:i + best] == suf)
+        # the occurrence that ends the live (last) stream has no continuation yet: not counted
+        occ = sum(1 for s in seqs for i in range(len(s) - best + 1) if s[i:i + best] == suf) - 1
         toks, pars, scores = t.expand(loc, 100, 0.0)
         first = {tk: sc for tk, p, sc in zip(toks, pars, scores) if p == -1}
         assert first == pytest.approx({x: c / occ for x, c in nxt.items()})
@@ -137,7 +139,9 @@ def test_trie_counts_equal_substring_counts(seqs, depth, chunk):
 @given(seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=30), min_size=1, max_size=3),
        depth=st.integers(2, 6))
 def test_trie_continuation_tree_is_exact(seqs, depth):
-    """expand() returns every continuation path w of a substring with score count(sub+w)/count(sub)."""
+    """expand() returns every continuation path w of a substring with the product of continuation
+    frequencies: count(x + c) / count(x) per step, where an occurrence of x that ends the live (last)
+    stream is not counted (it has no continuation yet)."""
     t = CountTrie(depth)
     for seq in seqs:
         t.reset_stream()
@@ -154,7 +158,16 @@ def test_trie_continuation_tree_is_exact(seqs, depth):
                 w.append(toks[j])
                 j = pars[j]
             got[sub + tuple(w[::-1])] = scores[i]
-        want = {k: v / cnt[sub] for k, v in cnt.items() if len(k) > len(sub) and k[:len(sub)] == sub}
+        last = tuple(seqs[-1])
+
+        def freq(x):  # continuation-eligible occurrences of x
+            live = cnt[x] >= 2 and len(x) <= len(last) and last[len(last) - len(x):] == x
+            return cnt[x] - live
+
+        want = {}
+        for k in cnt:
+            if len(k) > len(sub) and k[:len(sub)] == sub:
+                want[k] = math.prod(cnt[k[:i + 1]] / freq(k[:i]) for i in range(len(sub), len(k)))
         assert got == pytest.approx(want)
 
 
@@ -175,14 +188,15 @@ def test_trie_expand_scores_and_order():
     loc, length = t.longest_match([1, 2], 2)
     assert length == 2
     toks, pars, scores = t.expand(loc, 10, 0.0)
-    # after "1 2": 3 twice, 4 once, out of count("1 2") = 4 occurrences; "1 2 3" is always
-    # followed by 1, so that grandchild (score 0.5 * 1.0) comes before the child 4 (0.25)
+    # after "1 2": 3 twice, 4 once, out of the 3 occurrences of "1 2" that can continue (the 4th
+    # ends the stream); "1 2 3" is always followed by 1, so that grandchild (2/3 * 1.0) comes
+    # before the child 4 (1/3)
     assert toks[:3] == [3, 1, 4] and pars[:3] == [-1, 0, -1]
-    assert scores[:3] == pytest.approx([2 / 4, 2 / 4, 1 / 4])
+    assert scores[:3] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
     assert all(scores[i] <= scores[pars[i]] for i in range(len(toks)) if pars[i] >= 0)
     assert all(p < i for i, p in enumerate(pars))
-    toks2, _, _ = t.expand(loc, 10, 0.3)
-    assert toks2 == [3, 1]  # 4 (0.25) is pruned by min_prob
+    toks2, _, _ = t.expand(loc, 10, 0.34)
+    assert toks2 == [3, 1]  # 4 (1/3) is pruned by min_prob
 
 
 # ----------------------------------------------------------------------------- suffix index
@@ -190,15 +204,24 @@ def test_trie_expand_scores_and_order():
 def test_suffix_index_proposes_continuation():
     s = SuffixIndex(max_depth=8, max_match=4, min_prob=0.0)
     s.start("a", [10, 11, 12, 13, 14, 15, 20, 21, 10, 11])
-    c = s.propose(["a"], torch.tensor([11]), 5)
-    assert c.tokens[0, :4].tolist() == [12, 13, 14, 15] and c.parents[0, :4].tolist() == [-1, 0, 1, 2]
-    assert c.valid[0].all()
-    # root missing from the stream: matched by walking the tail + root
-    s.start("b", [1, 2, 3, 4, 1, 2])
-    c = s.propose(["b", "zzz"], torch.tensor([3, 5]), 5)
-    assert c.tokens[0, 0].item() == 4 and not c.valid[1].any()
-    s.extend("b", [3])
-    assert s.propose(["b"], torch.tensor([3]), 5).tokens[0, 0].item() == 4
+    p = s.propose("a", 5)
+    assert p.tokens[:4] == [12, 13, 14, 15] and p.parents[:4] == [-1, 0, 1, 2] and p.match_len == 2
+    assert s.propose("zzz", 5).tokens == []
+    s.extend("a", [12])
+    assert s.propose("a", 5).tokens[0] == 13 and s.propose("a", 5).match_len == 3
+
+
+def test_suffix_index_long_repeat_gives_deep_chain():
+    """A repeated long stretch proposes its whole continuation as one chain (up to depth - match),
+    with count-ratio probability 1 along it."""
+    s = SuffixIndex(max_depth=64, max_match=16, min_prob=0.1)
+    period = list(range(100, 130))
+    s.start("r", period * 3 + period[:5])
+    p = s.propose("r", 60)
+    assert p.match_len == 16
+    assert p.tokens[:40] == (period[5:] + period)[:40]
+    assert p.parents[:40] == list(range(-1, 39))
+    assert all(x == 1.0 for x in p.probs[:40])
 
 
 def test_suffix_index_memory_cap_and_eviction():
@@ -211,7 +234,7 @@ def test_suffix_index_memory_cap_and_eviction():
     assert s.rebuilds > 0
     # recent context survives eviction
     s.extend(0, [7, 8, 9, 7, 8])
-    assert s.propose([0], torch.tensor([8]), 4).tokens[0, 0].item() == 9
+    assert s.propose(0, 4).tokens[0] == 9
 
 
 def test_lifecycle_no_leaks():
@@ -244,16 +267,16 @@ def test_corpus_formats_and_cap(tmp_path):
     tok = lambda s: [vocab[w] for w in s.split()]  # noqa: E731
     for name in ("c.json", "c.jsonl"):
         idx = CorpusIndex.from_file(tmp_path / name, max_depth=6, max_match=3, min_prob=0.0)
-        idx.start("r", [0, 2])
-        c = idx.propose(["r"], torch.tensor([3]), 8)
+        idx.start("r", [0, 2, 3])
+        p = idx.propose("r", 8)
         # after "2 3": 4 (then 5) and 9, one occurrence each
-        assert sorted(c.tokens[0, c.parents[0] == -1].tolist()) == [4, 9]
+        assert sorted(t for t, q in zip(p.tokens, p.parents) if q == -1) == [4, 9] and p.match_len == 2
         assert idx.live_requests() == 1
         idx.stop("r")
         assert idx.live_requests() == 0
     idx = CorpusIndex.from_file(tmp_path / "c.txt", tokenizer=tok, max_depth=4, max_match=2, min_prob=0.0)
     idx.start("r", tok("b"))
-    assert idx.propose(["r"], torch.tensor([vocab["b"]]), 4).tokens[0, 0].item() == vocab["c"]
+    assert idx.propose("r", 4).tokens[0] == vocab["c"]
     with pytest.raises(ValueError, match="tokenizer"):
         CorpusIndex.from_file(tmp_path / "t.jsonl")
     with pytest.raises(ValueError, match="suffix"):
@@ -266,46 +289,23 @@ def test_corpus_formats_and_cap(tmp_path):
     assert big.num_tokens == 4
 
 
-# ----------------------------------------------------------------------------- planner
+# ----------------------------------------------------------------------------- retriever
 
-def test_planner_build_and_observe():
-    cfg = GraftConfig(num_draft_tokens=12, topk=2, depth=4,
-                      checkpoints=[{"depth": 1, "threshold": 0.99, "keep": 3}])
-    planner = GraftPlanner(cfg, vocab_size=100)
-    planner.start_request("x", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
-    planner.start_request("y", [1])
-    d = DraftTree(tokens=torch.tensor([[6, 50, 51, 52, 53], [1, 60, 61, 62, 63]]),
-                  parents=torch.tensor([[-1, 0, 0, 1, 1], [-1, 0, 0, 1, 1]]),
-                  logp=torch.log(torch.tensor([[1.0, 0.5, 0.4, 0.3, 0.2]] * 2)),
-                  source=torch.zeros(2, 5, dtype=torch.int64))
-    out = planner.build(d, ["x", "y"])
-    validate_parents(out.parents)
-    assert out.tokens.shape == (2, 12) and not has_duplicate_siblings(out.tokens, out.parents).any()
-    assert planner.last_info.prune.stage.tolist() == [0, 0]
-    # request x: the suffix index proposes 7 8 5 6 ... after root 6
-    paths = out.tokens[0][out.source[0] == SOURCE_RETRIEVED].tolist()
-    assert paths[:4] == [7, 8, 5, 6]
-    # successor matrix learns from observe and proposes for y next time
-    topk = (torch.arange(2 * 12 * 3).reshape(2, 12, 3) * 7) % 97
-    planner.observe(out, topk)
-    table = planner.retriever.successor.table
-    flat = out.tokens.flatten().tolist()
-    for pos, t in enumerate(flat):
-        if flat.count(t) == 1:
-            assert table[t].tolist() == topk.reshape(-1, 3)[pos].tolist() + [-1] * (table.shape[1] - 3)
-    planner.observe_tokens(torch.tensor([1]), torch.tensor([[70, 71, 72]]))
-    out2 = planner.build(d, ["x", "y"])
-    root_kids = out2.tokens[1][(out2.parents[1] == 0) & (out2.source[1] == SOURCE_RETRIEVED)].tolist()
-    assert set(root_kids) >= {70, 71}
-    with pytest.raises(ValueError):
-        planner.build(d, ["x"])
-
-
-def test_retriever_from_config_sources(tmp_path):
-    (tmp_path / "c.json").write_text(json.dumps([[1, 2, 3]]))
+def test_retriever_from_config_sources_and_buffer_rows(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps([[1, 2, 3, 4]]))
     cfg = GraftConfig(retrieval={"successor": False, "suffix": True, "corpus": True,
-                                 "corpus_path": str(tmp_path / "c.json")})
-    r = Retriever.from_config(cfg, 10)
-    assert [s.name for s in r.sources] == ["suffix", "corpus"] and r.successor is None
+                                 "corpus_path": str(tmp_path / "c.json"), "max_candidates": 8})
+    r = Retriever.from_config(cfg)
+    assert [s.name for s in r.sources] == ["suffix", "corpus"]
+    r.start("q", [7, 2, 3, 9, 7, 2])
+    buf = HostCandidateBuffer(2, 8)
+    r.fill(buf, 1, "q", anchor_len=6)
+    hc = buf.upload(2)
+    # the suffix index (first half) continues "7 2" with 3 9 7 2; the corpus continues "2" with 3 4
+    assert hc.tokens[1, :4].tolist() == [3, 9, 7, 2] and hc.member[1, :4].tolist() == [MEMBER_SUFFIX] * 4
+    assert hc.tokens[1, 4:7].tolist() == [3, 4] + hc.tokens[1, 6:7].tolist()
+    assert hc.member[1, 4:6].tolist() == [MEMBER_CORPUS] * 2 and hc.parents[1, 4:6].tolist() == [-1, 4]
+    assert (hc.member[1, 6:] == -1).all() and hc.anchor_len[1] == 6
+    assert hc.match[1, 0] == 2 and hc.logp[1, :4].tolist() == [0.0] * 4
     with pytest.raises(FileNotFoundError):
-        Retriever.from_config(GraftConfig(retrieval={"corpus": True, "corpus_path": str(tmp_path / "no.json")}), 10)
+        Retriever.from_config(GraftConfig(retrieval={"corpus": True, "corpus_path": str(tmp_path / "no.json")}))

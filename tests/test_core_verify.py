@@ -15,13 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft_spec.config import GraftPolicy, PruneStage
-from graft_spec.graft import graft
 from graft_spec.metrics import AcceptanceStats
 from graft_spec.prune import prune
-from graft_spec.retrieval.base import Candidates
 from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank, eagle_step,
                              has_duplicate_siblings, sibling_links)
 from graft_spec.verify import VerifyResult, greedy_verify, logits_to_probs, sample_verify
+from test_core_graft import Cands, graft  # the paper-mode stacking over merge_select
 from test_core_reference import random_tree, ref_greedy
 
 
@@ -93,10 +92,10 @@ def build_hybrid(roots: torch.Tensor, draft_q: torch.Tensor, dedupe: bool = True
     # root child that graft must merge
     r = roots[:, None]
     a = draft_q[roots].argmax(dim=-1, keepdim=True)
-    c = Candidates(tokens=torch.cat([a, (r + 2) % V, (r + 3) % V, r], 1),
-                   parents=torch.tensor([[-1, 0, -1, 0]]).expand(b, 4),
-                   score=torch.tensor([[0.6, 0.4, 0.3, 0.2]]).expand(b, 4),
-                   valid=torch.ones(b, 4, dtype=torch.bool))
+    c = Cands(tokens=torch.cat([a, (r + 2) % V, (r + 3) % V, r], 1),
+              parents=torch.tensor([[-1, 0, -1, 0]]).expand(b, 4),
+              score=torch.tensor([[0.6, 0.4, 0.3, 0.2]]).expand(b, 4),
+              valid=torch.ones(b, 4, dtype=torch.bool))
     if dedupe:
         return graft(d, pr.keep, c, N, GraftPolicy())
     # wrong: plain union of kept draft nodes and candidates, no merging of duplicates

@@ -54,14 +54,15 @@ def test_graft_is_registered_with_eagle3_behaviour(sglang_plugins):
         assert callable(getattr(algo, name))
 
 
-def test_create_worker_refuses_overlap(sglang_plugins):
+def test_create_worker_accepts_the_overlap_scheduler(sglang_plugins):
+    """Graft registers with supports_overlap=True and builds its worker with overlap on or off."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
 
-    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft"])
-    with pytest.raises(ValueError, match="overlap"):
-        SpeculativeAlgorithm.from_string("graft").create_worker(sa)
-    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--disable-overlap-schedule"])
-    assert SpeculativeAlgorithm.from_string("graft").create_worker(sa).__name__ == "GraftWorker"
+    assert get_spec("GRAFT").supports_overlap is True
+    for extra in ([], ["--disable-overlap-schedule"]):
+        sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", *extra])
+        assert SpeculativeAlgorithm.from_string("graft").create_worker(sa).__name__ == "GraftWorker"
 
 
 # ------------------------------------------------------------------ settings
@@ -103,8 +104,8 @@ def test_unknown_field_in_file_and_env(tmp_path):
     bad.write_text("num_draft_tokens: 16\nbudgett: 3\n")
     with pytest.raises(GraftSettingsError, match="budgett.*config file"):
         build_graft_config({"config": str(bad)}, environ={})
-    with pytest.raises(GraftSettingsError, match="retrieval.sufix.*GRAFT_RETRIEVAL__SUFIX"):
-        build_graft_config({}, environ={"GRAFT_RETRIEVAL__SUFIX": "true"})
+    with pytest.raises(GraftSettingsError, match="retrieval.sufix.*GRAFTCFG_RETRIEVAL__SUFIX"):
+        build_graft_config({}, environ={"GRAFTCFG_RETRIEVAL__SUFIX": "true"})
     # Tooling variables sharing the prefix are not config fields and must not break the launch.
     cfg = build_graft_config({}, environ={"GRAFT_VENV": "/x", "GRAFT_SGLANG_CPU_LAYER": "1"})
     assert cfg.num_draft_tokens >= 2
@@ -115,7 +116,7 @@ def test_precedence_file_env_cli(tmp_path):
 
     f = tmp_path / "graft.json"
     f.write_text(json.dumps({"num_draft_tokens": 20, "topk": 3, "depth": 5}))
-    env = {"GRAFT_CONFIG": str(f), "GRAFT_TOPK": "5"}
+    env = {"GRAFT_CONFIG": str(f), "GRAFTCFG_TOPK": "5"}
     cfg = build_graft_config({"depth": 4}, environ=env)
     assert (cfg.num_draft_tokens, cfg.topk, cfg.depth) == (20, 5, 4)
 
@@ -133,11 +134,20 @@ def _declared(sa, environ):
 def test_server_defaults_are_declared(sglang_plugins):
     sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--graft-budget", "10",
                          "--enable-mixed-chunk"])
-    view = _declared(sa, environ={"GRAFT_TOPK": "3", "GRAFT_DEPTH": "3"})
+    view = _declared(sa, environ={"GRAFTCFG_TOPK": "3", "GRAFTCFG_DEPTH": "3"})
     assert view.speculative_num_draft_tokens == 10
     assert view.speculative_eagle_topk == 3 and view.speculative_num_steps == 3
     assert view.max_running_requests == 48
-    assert view.disable_overlap_schedule is True and view.enable_mixed_chunk is False
+    assert view.enable_mixed_chunk is False
+    # the overlap scheduler stays SGLang's default (on), except on CPU unless opted in, as for EAGLE
+    assert view.disable_overlap_schedule is False
+
+
+@pytest.mark.parametrize("opt_in, disabled", [("", True), ("1", False)])
+def test_overlap_on_cpu_follows_sglang_unless_opted_in(sglang_plugins, monkeypatch, opt_in, disabled):
+    monkeypatch.setenv("GRAFT_SGLANG_CPU_OVERLAP", opt_in)
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--device", "cpu"])
+    assert _declared(sa, environ={}).disable_overlap_schedule is disabled
 
 
 def test_sglang_shape_flags_win_and_conflicts_are_errors(sglang_plugins):
@@ -189,8 +199,9 @@ def test_verify_layout_matches_sglang_triton_tree_builder():
         os.environ["TRITON_INTERPRET"] = "1"
         from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton, TreeMaskMode
         from sglang.srt.speculative.eagle_utils import organize_draft_results
+        from graft_spec.step import StepOutput
         from graft_spec.tree import eagle_rerank
-        from sglang_patch.graft_info import build_graft_verify_input, split_eagle_lists
+        from sglang_patch.graft_info import build_graft_verify_input
         for seed, (topk, steps, n) in enumerate([(3, 3, 8), (2, 4, 10), (4, 2, 6)]):
             torch.manual_seed(seed)
             bs = 3
@@ -206,16 +217,15 @@ def test_verify_layout_matches_sglang_triton_tree_builder():
             parent_list, tsi, dt = organize_draft_results(sl, tl, pl, n)
             seq = torch.tensor([5, 9, 1])
             roots = torch.tensor([7, 11, 3])
-            flat_s = torch.cat([s.reshape(bs, -1) for s in sl], 1)
-            tree = eagle_rerank(*split_eagle_lists(flat_s, torch.cat(tl, 1), parent_list, topk, steps),
-                                root_tokens=roots, num_nodes=n)
+            tree = eagle_rerank(sl, tl, pl, root_tokens=roots, num_nodes=n)
+            out = StepOutput.from_tree(tree, seq)
             for mode in (TreeMaskMode.QLEN_ONLY, TreeMaskMode.FULL_MASK):
                 numel = bs * n * n if mode == TreeMaskMode.QLEN_ONLY else int((n * (seq + n)).sum())
                 mask = torch.ones(numel, dtype=torch.bool)
                 pos = torch.empty(bs * n, dtype=torch.long)
                 rb = torch.full((3, bs, n), -1, dtype=torch.long)
                 sgl_build_tree_kernel_triton(parent_list, tsi, seq, mask, pos, rb[0], rb[1], rb[2], topk, steps, n, mode)
-                vi = build_graft_verify_input(tree, seq, seq.tolist(), mode=mode, topk=topk, steps=steps)
+                vi = build_graft_verify_input(out, seq, mode=mode, topk=topk, steps=steps, full_mask_numel=numel)
                 assert torch.equal(vi.custom_mask, mask), (seed, mode)
                 assert torch.equal(vi.positions, pos), (seed, mode)
                 assert torch.equal(vi.retrieve_index, rb[0]) and torch.equal(vi.retrieve_next_token, rb[1])
@@ -234,6 +244,7 @@ def test_verify_layout_matches_sglang_triton_tree_builder():
 def test_full_mask_into_preallocated_buffer_keeps_prefix_true():
     from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
+    from graft_spec.step import StepOutput
     from graft_spec.tree import DraftTree, ancestor_mask
     from sglang_patch.graft_info import build_graft_verify_input
 
@@ -242,8 +253,8 @@ def test_full_mask_into_preallocated_buffer_keeps_prefix_true():
     tree = DraftTree(tokens, parents, torch.zeros(2, 5), torch.zeros(2, 5, dtype=torch.long))
     seq = torch.tensor([3, 2])
     buf = torch.zeros(200, dtype=torch.bool)
-    vi = build_graft_verify_input(tree, seq, [3, 2], mode=TreeMaskMode.FULL_MASK, topk=2, steps=3,
-                                  mask_buffer=buf)
+    vi = build_graft_verify_input(StepOutput.from_tree(tree, seq), seq, mode=TreeMaskMode.FULL_MASK, topk=2,
+                                  steps=3, mask_buffer=buf)
     assert vi.custom_mask is buf
     anc = ancestor_mask(parents)
     off = 0
@@ -253,7 +264,6 @@ def test_full_mask_into_preallocated_buffer_keeps_prefix_true():
         assert torch.equal(rows[:, s:], anc[b])
         off += 5 * (s + 5)
     assert vi.positions.tolist() == [3, 4, 4, 5, 6, 2, 3, 4, 5, 3]
-    assert vi.tree_depth == 3
 
 
 # ------------------------------------------------------------------ per-request state
@@ -269,23 +279,34 @@ def _planner(**retrieval):
     return GraftPlanner(cfg, vocab_size=64)
 
 
+def _commit(index, tokens):
+    from sglang.srt.managers.auxiliary_output import CommittedTokens
+
+    return CommittedTokens(output_index=index, token_ids=tuple(tokens))
+
+
 def test_tracker_lifecycle_meta_and_no_leak():
+    from graft_spec.tree import SOURCE_DRAFT, SOURCE_RETRIEVED
     from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
 
     planner = _planner()
     tr = GraftRequestTracker(planner)
     a, b = _req("a", [1, 2, 3, 4], [5]), _req("b", [9, 8], [7])
-    assert tr.prepare([a, b], seq_lens=[4, 2], roots=[5, 7]) == ["a", "b"]
-    assert tr.live() == 2 and planner.live_requests() == 2
-    assert a.customized_info[META_KEY] == ["t"]  # the prefill token
-    tr.commit([a, b], emitted=[[6, 7, 8], [1]], node_sources=[[0, 1], []])
-    assert a.customized_info[META_KEY] == ["t", "d", "r", "t"]
+    assert tr.prepare([a, b]) == ["a", "b"]
+    assert tr.live() == 2 and planner.live_requests() == 2 and planner.seen("a") == 5
+    # round 1: a accepted a draft and a retrieved node, then the bonus; b only the bonus
+    tr.record([a, b], [_commit(1, [6, 7, 8]), _commit(1, [1])],
+              [[SOURCE_DRAFT, SOURCE_RETRIEVED, -1], [-1, -1, -1]])
+    assert a.customized_info[META_KEY] == ["t", "d", "r", "t"]   # the prefill token, then the round
     assert b.customized_info[META_KEY] == ["t", "t"]
-    assert tr.states["a"].seen == 4 + 1 + 3 and tr.states["a"].accepted == [1, 1, 0]
-    # In sync: seq_len advanced by the accept length, no restart.
+    assert tr.states["a"].accepted == [1, 1, 0]
+    # the next round syncs only the new output tokens (host view), no restart
     a.output_ids += [6, 7, 8]
-    tr.prepare([a], seq_lens=[7], roots=[8])
-    assert tr.states["a"].rounds == 1
+    tr.prepare([a])
+    assert planner.seen("a") == 8 and tr.states["a"].rounds == 1
+    # a request that finished mid-round: only its visible tokens get letters
+    tr.record([a], [_commit(4, [9])], [[SOURCE_DRAFT, SOURCE_DRAFT, -1]])
+    assert a.customized_info[META_KEY] == ["t", "d", "r", "t", "d"]
     tr.finish("a")
     tr.finish("b")
     tr.finish("never-started")
@@ -293,41 +314,49 @@ def test_tracker_lifecycle_meta_and_no_leak():
 
 
 def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
-    from sglang_patch.graft_requests import META_KEY, GraftRequestTracker, resync_history
+    from sglang_patch.graft_requests import GraftRequestTracker
 
-    assert resync_history([1, 2], [3, 4, 5], seq_len=4, root=9) == [1, 2, 3, 4, 9]
     planner = _planner()
     tr = GraftRequestTracker(planner, stale_rounds=2)
     a = _req("a", [1, 2, 3], [4, 5])
-    tr.prepare([a], seq_lens=[4], roots=[5])
-    assert tr.states["a"].seen == 5 and a.customized_info[META_KEY] == ["t", "t"]
-    # Out of sync (e.g. retracted and re-prefilled): rebuilt from the request's tokens.
-    a.output_ids = [4, 5, 6, 7]
-    tr.prepare([a], seq_lens=[6], roots=[7])
-    assert tr.states["a"].seen == 7 and a.customized_info[META_KEY] == ["t"] * 4
+    tr.prepare([a])
+    assert tr.states["a"].seen == 5 and planner.seen("a") == 5
+    # retracted: SGLang kept fewer outputs than the planner saw -> rebuilt from the request's tokens
+    a.output_ids = [4]
+    tr.prepare([a])
+    assert tr.states["a"].seen == 4 and planner.seen("a") == 4
     other = _req("b", [1], [2])
     for _ in range(4):
-        tr.prepare([other], seq_lens=[1], roots=[2])
+        tr.prepare([other])
     assert "a" not in tr.states and tr.live() == 1 and planner.live_requests() == 1
 
 
-def test_after_verify_translates_sglang_result():
-    """SGLang-shaped verify outputs -> emitted tokens, per-source counts, successor update."""
-    from graft_spec.tree import SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
+def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
+    """SGLang-shaped verify outputs -> successor table, commit log and calibration on the device;
+    the accepted sources travel as an auxiliary output that SGLang copies and consumes."""
+    from graft_spec.tree import SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree
+    from graft_spec.step import StepOutput
     from sglang_patch.graft_info import GraftVerifyInput
     from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
     from sglang_patch.graft_worker import GraftWorker
+    from sglang_patch.metrics import GraftStats
 
     bs, n, vocab = 2, 4, 64
-    planner = _planner()
+    planner = _planner(successor_k=3)
+    planner.commits.ensure(8)
     worker = object.__new__(GraftWorker)
-    worker.planner, worker.requests, worker.successor_k = planner, GraftRequestTracker(planner), 3
+    worker.planner, worker.requests, worker.stats = planner, GraftRequestTracker(planner), GraftStats()
     reqs = [_req("x", [1, 2], [10]), _req("y", [3], [20])]
-    worker.requests.prepare(reqs, seq_lens=[2, 1], roots=[10, 20])
+    worker.requests.prepare(reqs)
     tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 0, 22]])
+    parents = torch.tensor([[-1, 0, 0, 2], [-1, 0, 0, 1]])
     source = torch.tensor([[SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED],
                            [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_PADDING, SOURCE_DRAFT]])
-    vi = SimpleNamespace(draft_token_num=n, draft_token=tokens.reshape(-1), node_source=source)
+    out = StepOutput.from_tree(DraftTree(tokens, parents, torch.zeros(bs, n), source), torch.tensor([2, 1]))
+    out.member_bins[:, 1:, 0] = 5                                  # every real node: one draft bin
+    out.member_bins[1, 2] = -1                                     # (not the padding)
+    out.estimates = planner.calibrator.estimates()
+    vi = SimpleNamespace(graft_out=out)
     # Request x accepted nodes 0 -> 2 -> 3 (global 0, 2, 3) + bonus 44; y accepted nothing, bonus 55.
     accept_index = torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1]], dtype=torch.int32)
     accept_lens = torch.tensor([3, 1], dtype=torch.int32)
@@ -335,12 +364,47 @@ def test_after_verify_translates_sglang_result():
     logits = torch.zeros(bs * n, vocab)
     logits[torch.arange(bs * n), torch.arange(bs * n) + 30] = 5.0  # top-1 after node i is 30 + i
     result = SimpleNamespace(accept_index=accept_index, accept_lens=accept_lens, next_token_ids=predict,
-                             logits_output=SimpleNamespace(next_token_logits=logits))
-    worker._after_verify(SimpleNamespace(reqs=reqs), vi, result)
+                             logits_output=SimpleNamespace(next_token_logits=logits, auxiliary_device_output=None))
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices=torch.tensor([3, 5]))
+    worker._after_verify(batch, vi, result)
+    table = planner.successor.table
+    assert table[11, 0].item() == 31 and table[22, 0].item() == 37  # non-padding rows updated
+    assert table[0, 0].item() != 36  # the padding node's row (token 0) was not overwritten
+    assert planner.commits.tokens[3, :3].tolist() == [12, 13, 44] and planner.commits.lens[[3, 5]].tolist() == [3, 1]
+    assert planner.calibrator.trials[5].item() == 5 and planner.calibrator.hits[5].item() == 2
+    host = result.logits_output.auxiliary_device_output.copy_to_host(lambda t: t.clone())
+    host.consume(batch, [_commit(1, [12, 13, 44]), _commit(1, [55])])
     assert reqs[0].customized_info[META_KEY] == ["t", "r", "r", "t"]
     assert reqs[1].customized_info[META_KEY] == ["t", "t"]
     assert worker.requests.states["x"].accepted == [0, 2, 0]
-    assert worker.requests.states["x"].seen == 3 + 3
-    table = planner.retriever.successor.table
-    assert table[11, 0].item() == 31 and table[22, 0].item() == 37  # non-padding rows updated
-    assert table[0, 0].item() != 36  # the padding node's row (token 0) was not overwritten
+    summary = worker.stats.summary()
+    assert summary["accepted_tokens"] == {"draft": 0, "retrieved": 2, "padding": 0, "bonus": 2}
+    assert summary["accept_length_hist"] == {3: 1, 1: 1}
+    assert summary["calibration"]["draft"]["trials"] == 5
+    assert summary["calibration"]["draft"]["observed"] == pytest.approx(2 / 5)
+    assert summary["acceptance_by_depth"][1] == {"verified": 3, "observed": pytest.approx(1 / 3)}
+
+
+def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
+    """With metrics on, the same figures land in prometheus_client's multiprocess files that
+    SGLang's /metrics endpoint aggregates."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    code = textwrap.dedent("""
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+        from sglang_patch.metrics import GraftStats
+        s = GraftStats(prometheus=True)
+        s.record_round([[0, 1, -1], [-1, -1, -1]], [[3, 1.5, 1], [0, 0, 0], [2, 1.2, 1], [0, 0, 0]],
+                       [[0, 0], [4, 2], [1, 0]])
+        s.count_draft_forward(True); s.count_draft_forward(False)
+        reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
+        print(generate_latest(reg).decode())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)))
+    text = out.stdout
+    assert 'graft:accepted_tokens_total{source="retrieved"} 1.0' in text, out.stderr[-2000:]
+    assert 'graft:accepted_tokens_total{source="bonus"} 2.0' in text
+    assert 'graft:accept_length_bucket{le="3.0"} 2.0' in text
+    assert 'graft:calibration_hits_total{member="suffix"} 1.0' in text
+    assert 'graft:accepted_nodes_total{depth="1"} 2.0' in text
+    assert 'graft:draft_forwards_total{outcome="skipped"} 1.0' in text

@@ -102,7 +102,7 @@ def test_graft_settings_from_file_and_environment(quick_models, tmp_path, monkey
     path = tmp_path / "graft.yaml"
     path.write_text("num_draft_tokens: 20\ntopk: 3\ncheckpoints:\n"
                     "  - {depth: 1, threshold: 0.4, keep: 6}\nretrieval: {suffix_max_depth: 12}\n")
-    monkeypatch.setenv("GRAFT_RETRIEVAL__SUCCESSOR_K", "4")
+    monkeypatch.setenv("GRAFTCFG_RETRIEVAL__SUCCESSOR_K", "4")
     g = graft_config_of(_spec_config(quick_models, graft_config=str(path)))
     assert (g.num_draft_tokens, g.topk, g.depth) == (20, 3, 3)
     assert g.checkpoints[0].keep == 6 and g.retrieval.suffix_max_depth == 12
@@ -112,13 +112,13 @@ def test_graft_settings_from_file_and_environment(quick_models, tmp_path, monkey
 
 
 def test_inline_json_config_and_rebuild_from_resolved_config(quick_models, monkeypatch):
-    monkeypatch.setenv("GRAFT_TOPK", "5")                        # ignored by inline JSON
+    monkeypatch.setenv("GRAFTCFG_TOPK", "5")                        # ignored by inline JSON
     spec = _spec_config(quick_models, graft_config='{"topk": 3, "num_draft_tokens": 14}')
     g = graft_config_of(spec)
     assert (g.topk, g.num_draft_tokens, g.depth) == (3, 14, 3)
     # the resolved config stays in the field: rebuilding the config from its fields
     # (method is now "eagle3") gives the same graft config, whatever the environment says
-    monkeypatch.setenv("GRAFT_TOPK", "6")
+    monkeypatch.setenv("GRAFTCFG_TOPK", "6")
     again = _spec_config(quick_models, method=spec.method, graft_config=spec.graft_config)
     assert is_graft(again) and graft_config_of(again) == g
 
@@ -133,7 +133,7 @@ def test_k_defaults_to_graft_depth(quick_models, tmp_path):
 @pytest.mark.parametrize("content, field", [
     ({"topk": 1}, "topk"),
     ({"num_draft_tokens": 1}, "num_draft_tokens"),
-    ({"retrieval": {"suffix_max_match": 20}}, "suffix_max_match"),
+    ({"retrieval": {"suffix_max_match": 70}}, "suffix_max_match"),
     ({"checkpoints": [{"depth": 9, "threshold": 0.5, "keep": 4}]}, "checkpoints[0].depth"),
     ({"bogus_knob": 3}, "bogus_knob"),
     ({"depth": 4}, "depth=4 must equal num_speculative_tokens=3"),
@@ -148,7 +148,7 @@ def test_invalid_graft_settings_name_the_field(quick_models, tmp_path, content, 
 
 
 def test_invalid_graft_env_names_the_field(quick_models, monkeypatch):
-    monkeypatch.setenv("GRAFT_TOPK", "0")
+    monkeypatch.setenv("GRAFTCFG_TOPK", "0")
     with pytest.raises(ValueError, match=r"(?s)graft_config.*topk"):
         _spec_config(quick_models)
 

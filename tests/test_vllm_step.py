@@ -51,6 +51,7 @@ class _RecordingPlanner:
     def __init__(self):
         self.calls: list[tuple] = []
         self.device = torch.device("cpu")
+        self.successor = self   # records successor-table updates as ("observe", [(t, u), ...])
 
     def start_request(self, rid, prompt):
         self.calls.append(("start", rid, list(prompt)))
@@ -61,8 +62,11 @@ class _RecordingPlanner:
     def stop_request(self, rid):
         self.calls.append(("stop", rid))
 
-    def observe_tokens(self, t, u):
-        self.calls.append(("observe", list(zip(t.tolist(), u[:, 0].tolist()))))
+    def update(self, t, u, valid):
+        self.calls.append(("observe", list(zip(t[valid].tolist(), u[valid][:, 0].tolist()))))
+
+    def warm_start(self, prev, nxt, valid):
+        self.calls.append(("warm", list(zip(prev[valid].tolist(), nxt[valid].tolist()))))
 
 
 def _bigram(vocab: int, seed: int) -> torch.Tensor:
@@ -137,7 +141,7 @@ def test_tracker_feeds_each_committed_token_once_and_frees_departed_requests():
     b.set({"a": ([1, 2, 3], []), "b": ([7, 8], [9])})           # b: resumed after preemption
     tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
     assert rec.calls == [("start", "a", [1, 2, 3]), ("start", "b", [7, 8]), ("extend", "b", [9]),
-                         ("observe", [(8, 9)])]
+                         ("warm", [(1, 2), (2, 3)]), ("warm", [(7, 8)]), ("observe", [(8, 9)])]
     assert "a" in tr and "b" in tr and len(tr) == 2
     rec.calls.clear()
     b.set({"a": ([1, 2, 3], [4, 5]), "c": ([6], [])})           # b left, c joined
@@ -165,8 +169,9 @@ def test_retrieval_state_created_and_freed_per_request_id_in_real_sources():
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_perfect_drafter_chain_is_fully_accepted_and_output_is_lossless(k):
-    """Draft == target: the spine is the target's greedy continuation and is the best chain,
-    so every step emits K + 1 tokens; output equals plain greedy decoding."""
+    """Draft == target: the spine is the target's greedy continuation and is the best chain; once the
+    calibrator has seen a few steps (it starts from priors, so a retrieved chain may win early) at
+    least 80% of the steps emit K + 1 tokens; output equals plain greedy decoding throughout."""
     vocab = 96
     target = _bigram(vocab, 3)
     cfg = GraftConfig(num_draft_tokens=1 + 2 * k, topk=2, depth=k)
@@ -174,7 +179,7 @@ def test_perfect_drafter_chain_is_fully_accepted_and_output_is_lossless(k):
     outs, accepted, _ = _decode(GraftStep(cfg, vocab), target, target, prompts, k, new_tokens=30)
     for r, p in prompts.items():
         assert outs[r][:30] == _greedy_reference(target, p, 30)
-    assert all(a == k + 1 for a in accepted)
+    assert sum(a == k + 1 for a in accepted) >= 0.8 * len(accepted), accepted
 
 
 def test_retrieval_rescues_a_useless_drafter_and_stays_lossless():

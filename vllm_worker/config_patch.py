@@ -13,7 +13,7 @@ Patches (all on ``vllm.config.speculative.SpeculativeConfig``, applied once):
    widened with ``"graft"``.
 2. New optional field ``graft_config: str | None`` — path to a JSON/YAML `GraftConfig`
    file, or an inline JSON object. The class forbids extra keys (config/utils.py:71), so
-   the field is added the same way as (1). Settings can also come from ``GRAFT_*``
+   the field is added the same way as (1). Settings can also come from ``GRAFTCFG_*``
    environment variables (`graft_spec.config.load_config`: file < environment; an inline
    JSON object is used on its own).
    After validation the field holds the resolved config as inline JSON: that marks the
@@ -82,7 +82,7 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
     Args:
         path: ``speculative_config["graft_config"]``: a JSON/YAML file, an inline JSON
             object (``'{"topk": 3}'``, used on its own, no environment), or None
-            (``GRAFT_CONFIG`` and ``GRAFT_*`` from the environment are then used).
+            (``GRAFT_CONFIG`` and ``GRAFTCFG_*`` from the environment are then used).
         num_speculative_tokens: vLLM's K, or None when the user left it unset.
     Returns:
         ``GraftConfig`` whose ``depth`` equals K (K unset -> the config's depth).
@@ -95,7 +95,7 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
     from graft_spec.config import GraftConfig, load_config
 
     inline = _is_inline(path)
-    src = "inline JSON" if inline else (path or os.environ.get("GRAFT_CONFIG") or "GRAFT_* env")
+    src = "inline JSON" if inline else (path or os.environ.get("GRAFT_CONFIG") or "GRAFTCFG_* env")
     where = f"speculative_config.graft_config ({src})"
     try:
         cfg = load_config(overrides=json.loads(path), env=False) if inline else load_config(file=path)

@@ -12,9 +12,10 @@ step:
 * an id that is no longer in the batch (finished, aborted or preempted) ->
   ``planner.stop_request`` frees its state.
 
-Every committed transition (token t followed by token u) also updates the successor
-matrix with u as the target's top-1 after t (`GraftPlanner.observe_tokens`). vLLM does
-not hand the proposer the target logits, so ranks >= 1 are not observed here.
+A new request's prompt bigrams warm-start the empty rows of the successor table
+(`SuccessorTable.warm_start`); every committed transition (token t followed by token u) updates the successor
+table with u as the target's top-1 after t (`SuccessorTable.update`). vLLM does not hand
+the proposer the target logits, so ranks >= 1 are not observed here.
 """
 
 from __future__ import annotations
@@ -63,12 +64,15 @@ class RequestTracker:
             del self._cursor[rid]
         prev: list[np.ndarray] = []
         nxt: list[np.ndarray] = []
+        warm: list[np.ndarray] = []
         for i, rid in enumerate(req_ids):
             n = int(num_tokens[i])
             cur = self._cursor.get(rid)
             if cur is None:
                 cur = min(int(num_prompt_tokens[i]), n)
                 self.planner.start_request(rid, token_ids[i, :cur].tolist())
+                if cur > 1:   # prompt bigrams warm-start empty successor rows
+                    warm.append(token_ids[i, :cur])
             if n > cur:
                 self.planner.extend(rid, token_ids[i, cur:n].tolist())
                 lo = max(cur, 1)
@@ -76,10 +80,14 @@ class RequestTracker:
                     prev.append(token_ids[i, lo - 1:n - 1])
                     nxt.append(token_ids[i, lo:n])
             self._cursor[rid] = max(n, cur)
-        if prev:
+        succ = self.planner.successor
+        for p in warm if succ is not None else []:
+            ids = torch.from_numpy(p.astype(np.int64))
+            succ.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool))
+        if prev and succ is not None:
             t = torch.from_numpy(np.concatenate(prev).astype(np.int64))
             u = torch.from_numpy(np.concatenate(nxt).astype(np.int64))
-            self.planner.observe_tokens(t.to(self.planner.device), u[:, None].to(self.planner.device))
+            succ.update(t, u[:, None], torch.ones_like(t, dtype=torch.bool))
 
     def stop_all(self) -> None:
         """Free every request (engine shutdown / tests)."""

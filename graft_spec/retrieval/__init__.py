@@ -1,11 +1,13 @@
-"""Retrieval sources for Graft: successor matrix, per-request suffix index, shared corpus."""
+"""Retrieval sources for Graft: the device successor table, and the host-side per-request suffix
+index and shared corpus that reach the device through the fixed-size candidate buffer."""
 
-from .base import Candidates, RetrievalSource
+from .base import HostSource, Proposal
+from .buffer import HostCandidateBuffer, HostCandidates
 from .corpus import CorpusIndex
 from .retriever import Retriever
-from .successor import SuccessorMatrix, rank_template
+from .successor import SuccessorTable, rank_template
 from .suffix import SuffixIndex
 from .trie import CountTrie
 
-__all__ = ["Candidates", "RetrievalSource", "CorpusIndex", "Retriever", "SuccessorMatrix",
-           "rank_template", "SuffixIndex", "CountTrie"]
+__all__ = ["HostSource", "Proposal", "HostCandidateBuffer", "HostCandidates", "CorpusIndex", "Retriever",
+           "SuccessorTable", "rank_template", "SuffixIndex", "CountTrie"]

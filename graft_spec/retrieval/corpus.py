@@ -23,9 +23,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Optional, Sequence
 
-import torch
-
-from .base import Candidates, RetrievalSource
+from ..calibration import MEMBER_CORPUS
+from .base import HostSource, Proposal
 from .trie import CountTrie
 
 __all__ = ["CorpusIndex"]
@@ -33,18 +32,18 @@ __all__ = ["CorpusIndex"]
 Tokenizer = Callable[[str], Sequence[int]]
 
 
-class CorpusIndex(RetrievalSource):
-    """Shared corpus trie; same arguments as `SuffixIndex` plus ``max_mb``."""
+class CorpusIndex(HostSource):
+    """Shared corpus trie; same arguments as `SuffixIndex` (but ``max_nodes``) plus ``max_mb``."""
 
     name = "corpus"
+    member = MEMBER_CORPUS
 
     def __init__(self, max_depth: int = 16, max_match: int = 8, min_prob: float = 0.1,
-                 max_mb: float = 256.0, max_candidates: int = 64, device: torch.device | str = "cpu"):
+                 max_mb: float = 256.0):
         if not 1 <= max_match < max_depth:
             raise ValueError("CorpusIndex needs 1 <= max_match < max_depth")
-        self.max_match, self.min_prob, self.max_candidates = max_match, min_prob, max_candidates
+        self.max_match, self.min_prob = max_match, min_prob
         self.max_bytes = int(max_mb * 1024 * 1024)
-        self.device = torch.device(device)
         self.trie = CountTrie(max_depth)
         self.num_tokens = 0
         self.truncated = False
@@ -135,21 +134,13 @@ class CorpusIndex(RetrievalSource):
     def memory_bytes(self) -> int:
         return self.trie.memory_bytes() + 64 * self.max_match * len(self._tails)
 
-    def propose(self, req_ids: Sequence[Hashable], root_tokens: torch.Tensor, budget: int) -> Candidates:
-        b = len(req_ids)
-        cap = min(budget, self.max_candidates)
-        if cap <= 0 or self.num_tokens == 0:
-            return Candidates.empty(b, self.device)
-        roots = root_tokens.reshape(-1).tolist()
-        rows = []
-        for rid, root in zip(req_ids, roots):
-            tail = self._tails.get(rid)
-            if tail is None:
-                rows.append(None)
-                continue
-            ctx = list(tail)
-            if not ctx or ctx[-1] != root:
-                ctx = ctx[1:] + [int(root)] if len(ctx) == self.max_match else ctx + [int(root)]
-            loc, _ = self.trie.longest_match(ctx, self.max_match)
-            rows.append(self.trie.expand(loc, cap, self.min_prob) if loc is not None else None)
-        return Candidates.from_lists(rows, self.device)
+    def propose(self, req_id: Hashable, budget: int) -> Proposal:
+        """Longest match of the request's context tail in the corpus, then its continuation."""
+        tail = self._tails.get(req_id)
+        if tail is None or budget <= 0 or self.num_tokens == 0:
+            return Proposal()
+        loc, length = self.trie.longest_match(list(tail), self.max_match)
+        if loc is None:
+            return Proposal()
+        toks, pars, probs = self.trie.expand(loc, budget, self.min_prob)
+        return Proposal(toks, pars, probs, length)

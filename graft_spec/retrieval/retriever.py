@@ -1,69 +1,57 @@
-"""Combines retrieval sources into one candidate batch per step (paper Sec. 3.2).
+"""Fan-out over the host-side sources (suffix index, corpus) into the candidate buffer.
 
-Sources are queried independently and their candidate subtrees are stacked along the
-candidate axis; duplicates across sources (same path from the root) are merged later by
-`graft_spec.graft.graft`, which keeps the best score of a merged group. Scores of all
-sources are estimates of path acceptance probability, so they compete on one scale.
+Sources are queried independently per request and their proposals written side by side into the
+request's buffer row (`HostCandidateBuffer.put`); duplicates across sources (and with the draft
+tree and the successor table) are merged on the device by the graft step, which keeps the best
+estimate of a merged node.
 """
 
 from __future__ import annotations
 
 from typing import Hashable, Optional, Sequence
 
-import torch
-
 from ..config import GraftConfig
-from .base import Candidates, RetrievalSource
+from .base import HostSource
+from .buffer import HostCandidateBuffer
 from .corpus import CorpusIndex
-from .successor import SuccessorMatrix
 from .suffix import SuffixIndex
 
 __all__ = ["Retriever"]
 
 
-class Retriever(RetrievalSource):
-    """Fan-out over sources with the same five-method interface.
+class Retriever:
+    """The host sources of one engine, with the same lifecycle methods as a source.
 
     Args:
-        sources: retrieval sources (any `RetrievalSource`).
+        sources: host sources (any `HostSource`).
     """
 
-    name = "retriever"
-
-    def __init__(self, sources: Sequence[RetrievalSource]):
+    def __init__(self, sources: Sequence[HostSource]):
         self.sources = list(sources)
 
     @classmethod
-    def from_config(cls, config: GraftConfig, vocab_size: int, device: torch.device | str = "cpu",
-                    corpus: Optional[CorpusIndex] = None) -> "Retriever":
+    def from_config(cls, config: GraftConfig, corpus: Optional[CorpusIndex] = None) -> "Retriever":
         """Sources enabled in ``config.retrieval``; a prebuilt ``corpus`` overrides the path.
 
         Raises:
             FileNotFoundError / ValueError: corpus file missing or malformed.
         """
         r = config.retrieval
-        cap = min(r.max_candidates, config.num_draft_tokens - 1)
-        srcs: list[RetrievalSource] = []
-        if r.successor:
-            srcs.append(SuccessorMatrix(vocab_size, k=r.successor_k, max_depth=r.successor_max_depth,
-                                        prior=r.successor_prior, decay=r.successor_rank_decay,
-                                        template_size=cap, device=device))
+        srcs: list[HostSource] = []
         if r.suffix:
-            srcs.append(SuffixIndex(max_depth=r.suffix_max_depth, max_match=r.suffix_max_match,
-                                    min_prob=r.suffix_min_prob, max_nodes=r.suffix_max_nodes,
-                                    max_candidates=cap, device=device))
+            srcs.append(SuffixIndex(max_depth=r.suffix_max_depth, max_match=r.match_len,
+                                    min_prob=r.suffix_min_prob, max_nodes=r.suffix_max_nodes))
         if corpus is not None:
             srcs.append(corpus)
         elif r.corpus:
             srcs.append(CorpusIndex.from_file(r.corpus_path, max_depth=r.suffix_max_depth,
-                                              max_match=r.suffix_max_match, min_prob=r.suffix_min_prob,
-                                              max_mb=r.corpus_max_mb, max_candidates=cap, device=device))
+                                              max_match=r.match_len, min_prob=r.suffix_min_prob,
+                                              max_mb=r.corpus_max_mb))
         return cls(srcs)
 
-    @property
-    def successor(self) -> Optional[SuccessorMatrix]:
-        """The successor-matrix source, if enabled."""
-        return next((s for s in self.sources if isinstance(s, SuccessorMatrix)), None)
+    def source(self, name: str) -> Optional[HostSource]:
+        """The source called ``name`` ("suffix", "corpus"), if enabled."""
+        return next((s for s in self.sources if s.name == name), None)
 
     def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
         for s in self.sources:
@@ -77,14 +65,15 @@ class Retriever(RetrievalSource):
         for s in self.sources:
             s.stop(req_id)
 
-    def propose(self, req_ids: Sequence[Hashable], root_tokens: torch.Tensor, budget: int) -> Candidates:
-        parts = [s.propose(req_ids, root_tokens, budget) for s in self.sources]
-        parts = [p for p in parts if p.width > 0]
-        if not parts:
-            return Candidates.empty(len(req_ids), root_tokens.device)
-        dev = parts[0].tokens.device
-        return Candidates.concat([Candidates(p.tokens.to(dev), p.parents.to(dev), p.score.to(dev),
-                                             p.valid.to(dev)) for p in parts])
+    def fill(self, buffer: HostCandidateBuffer, row: int, req_id: Hashable, anchor_len: int) -> None:
+        """Write the request's proposals into ``row`` (each source gets an equal share of the width;
+        a share one source leaves unused goes to the next)."""
+        buffer.clear(row, anchor_len)
+        offset, left = 0, len(self.sources)
+        for s in self.sources:
+            share = (buffer.width - offset) // left
+            offset += buffer.put(row, offset, s.member, s.propose(req_id, share))
+            left -= 1
 
     def live_requests(self) -> int:
         return max((s.live_requests() for s in self.sources), default=0)

@@ -201,7 +201,8 @@ class CountTrie:
         Returns:
             ``(tokens, parents, scores)``: parents index into the returned lists, -1 =
             child of ``loc``; scores are path products of count ratios (lazy count-1
-            chains continue with ratio 1), non-increasing along paths; best-first order
+            chains continue with ratio 1; an occurrence that ends the current stream is not
+            counted, it has no continuation yet), non-increasing along paths; best-first order
             (topological).
         """
         toks: list[int] = []
@@ -213,6 +214,9 @@ class CountTrie:
             self._count, self._first, self._next, self._token, self._dep, self.hist
         heap: list[tuple[float, int, int, int, int, int]] = []  # (-score, tie, node, pos, len, parent_out)
         tie = 0
+        # a substring that ends the current stream has one occurrence that cannot continue yet:
+        # it does not count in the continuation frequencies
+        live = set(self.active)
 
         def push(at: Loc, parent_out: int, base: float) -> None:
             nonlocal tie
@@ -220,7 +224,7 @@ class CountTrie:
             if length >= self.depth:
                 return
             if self._explicit(at):
-                denom = count[node]
+                denom = count[node] - (node in live)
                 c = first[node]
                 while c >= 0:
                     s = base * count[c] / denom if denom else base

@@ -1,4 +1,5 @@
-"""The training corpus: Python standard-library sources of the running interpreter.
+"""The training corpus: Python standard-library sources of the running interpreter (plus, for the
+default models, the pinned PyPI source distributions of `modelmaking.packages`).
 
 The corpus exists on every machine that runs Python, so models can be rebuilt anywhere without a
 model hub or a dataset download. Files are read in sorted relative-path order; a fixed ~5% of them
@@ -33,6 +34,7 @@ class Corpus:
     eval: list[str]
     train_files: int
     eval_files: int
+    packages: tuple = ()  #: provenance rows of the package documents (packages.load_packages)
 
 
 def stdlib_root() -> Path:
@@ -104,11 +106,16 @@ def chat_examples(source: str, max_chars: int = 1500) -> list[str]:
     return docs
 
 
-def load_corpus(max_train_chars: int | None = None, root: Path | None = None) -> Corpus:
-    """Read the corpus; ``max_train_chars`` caps the raw training text (files in hash order).
+def load_corpus(max_train_chars: int | None = None, root: Path | None = None,
+                packages: bool = False) -> Corpus:
+    """Read the corpus; ``max_train_chars`` caps the raw standard-library training text (files in
+    hash order).
 
     Chat examples are derived from the same files, so they inherit the file's split. The eval
-    split is never capped, so held-out metrics are comparable between model sizes.
+    split is never capped, so held-out metrics are comparable between model sizes. With
+    ``packages``, the documents of `modelmaking.packages.PACKAGES` (and their chat examples) are
+    appended to the training split, after the standard library (so a tokenizer learnt from the
+    first characters of the training split is the standard library's).
     """
     root = root or stdlib_root()
     train, evals = [], []
@@ -134,4 +141,12 @@ def load_corpus(max_train_chars: int | None = None, root: Path | None = None) ->
             train.extend(docs)
             train_chars += len(text)
             n_train += 1
-    return Corpus(str(root), train, evals, n_train, n_eval)
+    provenance: list[dict] = []
+    if packages:
+        from modelmaking.packages import load_packages
+
+        pdocs, provenance = load_packages()
+        for text in pdocs:
+            train.extend([text, *chat_examples(text)])
+        n_train += len(pdocs)
+    return Corpus(str(root), train, evals, n_train, n_eval, tuple(provenance))

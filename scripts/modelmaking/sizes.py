@@ -64,6 +64,7 @@ class SizeSpec:
     greedy_prompts: int = 16  # prompts for the greedy-chain acceptance simulation
     greedy_prompt_len: int = 48
     greedy_new_tokens: int = 64
+    packages: bool = False  # add the PyPI source distributions of modelmaking.packages to training
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -117,7 +118,7 @@ DEFAULT = SizeSpec(
         intermediate_size=1024,
         seq_len=256,
         batch_size=16,
-        steps=480,
+        steps=2700,
         lr=4e-3,
     ),
     draft=DraftSpec(
@@ -129,10 +130,11 @@ DEFAULT = SizeSpec(
         ttt_steps=3,
         seq_len=256,
         batch_size=8,
-        steps=300,
+        steps=1000,
         lr=3e-3,
     ),
     eval_tokens=65_536,
+    packages=True,
 )
 
 PRESETS = {"quick": QUICK, "default": DEFAULT}

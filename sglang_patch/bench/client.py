@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence
 
 import httpx
 
-from graft_spec.bench.prompts import BenchPrompt
+from sglang_patch.bench.prompts import BenchPrompt
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``python -m graft_spec.bench``: no-spec vs EAGLE3 vs pruned-only vs retrieval-only vs Graft.
+"""``python -m sglang_patch.bench``: no-spec vs EAGLE3 vs pruned-only vs retrieval-only vs Graft.
 
 For every method and budget N one SGLang server runs at a time (2-core machines cannot hold more);
 each prompt set is sent at every concurrency; greedy outputs of every speculative server are
@@ -18,14 +18,14 @@ from typing import Any, Dict, List
 
 from tqdm import tqdm
 
-from graft_spec.bench.client import run_prompts_sync, sampling_params
-from graft_spec.bench.methods import STAGE_THRESHOLDS, MethodSpec, build_methods
-from graft_spec.bench.prompts import load_prompts
-from graft_spec.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_json, write_plots
+from sglang_patch.bench.client import run_prompts_sync, sampling_params
+from sglang_patch.bench.methods import STAGE_THRESHOLDS, MethodSpec, build_methods
+from sglang_patch.bench.prompts import load_prompts
+from sglang_patch.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_json, write_plots
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m graft_spec.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m sglang_patch.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="models/default/target", help="target model directory")
     p.add_argument("--draft", default="models/default/draft", help="EAGLE-3 draft head directory")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from graft_spec.bench.client import RunResult
+from sglang_patch.bench.client import RunResult
 
 
 def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:

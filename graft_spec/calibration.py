@@ -1,0 +1,255 @@
+"""Online calibration: every candidate node, draft or retrieved, priced in one currency.
+
+The currency is the estimated probability that a node lies on the accepted path. Because sibling
+tokens are distinct, the events "node i is accepted" are disjoint per depth and the expected
+accepted length of a tree is ``1 + sum_i P(i on the accepted path)`` (bonus included), for greedy
+verification and for target-only tree rejection sampling alike (reference landscape §4: a child is
+accepted with probability p_target(child) given its parent, whatever its siblings). Choosing the
+ancestor-closed N-1 nodes with the largest estimates therefore maximises the expected accepted
+length; pruning becomes an outcome of that choice instead of a threshold (paper Sec. 3.1 prunes
+by thresholds; ECHO, arXiv 2604.09603, uses the same gain currency for its budget).
+
+Each candidate carries a *calibration bin*: a small integer computed from its features.
+
+| member source | features (bin axes) | prior |
+|---|---|---|
+| draft | node depth, cumulative draft probability q | q |
+| successor | template slot (= its rank path and depth) | product of rank priors |
+| suffix, corpus | depth, count-ratio path probability p, match length | p x 0.85**depth |
+
+and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 2 x retrieval)`` bins in all
+(a few thousand floats). The estimate of a bin is the posterior mean
+``(hits + w * prior) / (trials + w)``. It is not forced to be monotone in the probability axis (a
+cumulative max would let the prior of a bin never tried override the data of its neighbour); a bin
+whose prior is too high gets selected, tried and corrected, which is the exploration the online
+calibration needs. After every verify, each member of each verified
+non-root node adds one trial to its bin and one hit if the node lies on the accepted path (a node
+proposed by several sources credits every one of them). When a bin reaches ``halve_at`` trials its
+counts are halved, so the estimate tracks drift with a memory of a few thousand trials.
+
+Everything here is a static-shape torch function of device tensors: no host reads, no
+data-dependent control flow; the tables live on the engine's device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "NUM_MEMBERS", "MEMBER_NAMES",
+    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator",
+]
+
+MEMBER_DRAFT = 0      #: proposed by the draft model
+MEMBER_SUCCESSOR = 1  #: successor table (token recycling)
+MEMBER_SUFFIX = 2     #: per-request suffix index
+MEMBER_CORPUS = 3     #: shared corpus
+NUM_MEMBERS = 4
+MEMBER_NAMES = ("draft", "successor", "suffix", "corpus")
+
+#: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
+LOGP_EDGES = (-0.1, -0.3, -0.6, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0, -14.0)
+#: Depth bins (retrieved nodes): 1, 2, 3, 4, 5-6, 7-8, 9-12, 13-16, 17-24, 25-32, 33-48, 49+.
+DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+#: Match-length bins (suffix / corpus): 1, 2, 3-4, 5-8, 9-16, 17-32, 33+.
+MATCH_EDGES = (1, 2, 4, 8, 16, 32)
+_RETRIEVAL_DECAY = 0.85
+
+
+def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
+    return torch.bucketize(x, edges, right=right)
+
+
+@dataclass(frozen=True)
+class BinLayout:
+    """Offsets of the calibration bins (per mode: draft, successor, suffix, corpus blocks).
+
+    Args:
+        draft_depth: deepest draft node depth (the draft steps).
+        template_size: successor template slots T.
+    """
+
+    draft_depth: int
+    template_size: int
+
+    @property
+    def num_q(self) -> int:
+        return len(LOGP_EDGES) + 1
+
+    @property
+    def num_depth(self) -> int:
+        return len(DEPTH_EDGES) + 1
+
+    @property
+    def num_match(self) -> int:
+        return len(MATCH_EDGES) + 1
+
+    @property
+    def draft_bins(self) -> int:
+        return self.draft_depth * self.num_q
+
+    @property
+    def retrieval_bins(self) -> int:
+        return self.num_depth * self.num_q * self.num_match
+
+    @property
+    def per_mode(self) -> int:
+        return self.draft_bins + self.template_size + 2 * self.retrieval_bins
+
+    @property
+    def size(self) -> int:
+        """Bins in all (two modes); index ``size`` is the dump bin of invalid candidates."""
+        return 2 * self.per_mode
+
+    def offset(self, member: int) -> int:
+        """First bin of a member source's block within one mode."""
+        return (0, self.draft_bins, self.draft_bins + self.template_size,
+                self.draft_bins + self.template_size + self.retrieval_bins)[member]
+
+
+class Calibrator:
+    """Device tables of hits / trials per bin, their estimates, and calibration metrics.
+
+    Args:
+        layout: the `BinLayout`.
+        successor_prior: ``float[T]`` prior path-acceptance of every successor template slot.
+        prior_weight: pseudo-trials w of the prior (> 0).
+        halve_at: a bin's counts are halved once its trials exceed this.
+        device: where the tables live.
+    Attributes:
+        hits, trials: ``float32[size + 1]`` (last entry: dump bin).
+        prior: ``float32[size + 1]``.
+        member_stats: ``float64[NUM_MEMBERS, 3]`` cumulative (trials, sum of estimates, hits) of
+            verified nodes per member source: mean estimated vs observed acceptance.
+        depth_stats: ``float64[max_depth + 1, 2]`` cumulative (trials, hits) per node depth.
+    """
+
+    def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
+                 halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu"):
+        if prior_weight <= 0:
+            raise ValueError("Calibrator: prior_weight must be > 0")
+        self.layout, self.w, self.halve_at = layout, float(prior_weight), float(halve_at)
+        self.device = torch.device(device)
+        self.max_depth = max_depth
+        self.logp_edges = torch.tensor(LOGP_EDGES[::-1], device=self.device)         # ascending
+        self.depth_edges = torch.tensor(DEPTH_EDGES, device=self.device)
+        self.match_edges = torch.tensor(MATCH_EDGES, device=self.device)
+        self.prior = self._prior(successor_prior.to(self.device)).contiguous()
+        n = layout.size + 1
+        self.hits = torch.zeros(n, device=self.device)
+        self.trials = torch.zeros(n, device=self.device)
+        self.member_stats = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64, device=self.device)
+        self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
+
+    # ------------------------------------------------------------------ bins
+    def q_bin(self, logp: torch.Tensor) -> torch.Tensor:
+        """``int64``: probability bin of a log-probability (0 = highest); NaN and -inf go last."""
+        x = torch.nan_to_num(logp.float(), nan=-math.inf)
+        return (len(LOGP_EDGES) - _bucket(x, self.logp_edges, right=True)).clamp(0, len(LOGP_EDGES))
+
+    def depth_bin(self, depth: torch.Tensor) -> torch.Tensor:
+        return _bucket(depth, self.depth_edges, right=False).clamp(max=self.layout.num_depth - 1)
+
+    def match_bin(self, match: torch.Tensor) -> torch.Tensor:
+        return _bucket(match.clamp(min=1), self.match_edges, right=False).clamp(max=self.layout.num_match - 1)
+
+    def _mode_base(self, sampled: torch.Tensor) -> torch.Tensor:
+        return sampled.to(torch.int64) * self.layout.per_mode
+
+    def draft_bins(self, depth: torch.Tensor, logq: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """Bins of draft nodes. ``depth`` int64 (1-based) and ``logq`` broadcastable to ``[B, S]``,
+        ``sampled`` ``bool[B]``. Returns ``int64[B, S]``."""
+        lay = self.layout
+        d = (depth.to(torch.int64) - 1).clamp(0, lay.draft_depth - 1)
+        b = d * lay.num_q + self.q_bin(logq)
+        return b + self._mode_base(sampled)[:, None]
+
+    def successor_bins(self, slots: int, sampled: torch.Tensor) -> torch.Tensor:
+        """Bins of successor template slots 0..slots-1: ``int64[B, slots]``."""
+        ar = torch.arange(slots, device=self.device) + self.layout.offset(MEMBER_SUCCESSOR)
+        return ar[None, :] + self._mode_base(sampled)[:, None]
+
+    def retrieval_bins(self, member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor,
+                       match: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """Bins of suffix / corpus nodes (``member`` is MEMBER_SUFFIX or MEMBER_CORPUS per node).
+        All ``[B, M]`` except ``sampled`` ``bool[B]``. Returns ``int64[B, M]``."""
+        lay = self.layout
+        within = ((self.depth_bin(depth) * lay.num_q + self.q_bin(logp)) * lay.num_match
+                  + self.match_bin(match))
+        base = torch.where(member == MEMBER_CORPUS, lay.offset(MEMBER_CORPUS), lay.offset(MEMBER_SUFFIX))
+        return base + within + self._mode_base(sampled)[:, None]
+
+    # ------------------------------------------------------------------ priors / estimates
+    def _prior(self, successor_prior: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        centers = torch.tensor([0.0, *LOGP_EDGES], device=self.device)
+        centers = torch.cat([(centers[:-1] + centers[1:]) / 2, centers[-1:] - 4.0]).exp()   # [Q]
+        draft = centers.repeat(lay.draft_depth)
+        dmid = torch.tensor([1, 2, 3, 4, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0], device=self.device)
+        retr = (centers[None, :, None] * (_RETRIEVAL_DECAY ** dmid)[:, None, None]
+                ).expand(lay.num_depth, lay.num_q, lay.num_match).reshape(-1)
+        succ = torch.zeros(lay.template_size, device=self.device)
+        succ[: successor_prior.numel()] = successor_prior.float()[: lay.template_size]
+        mode = torch.cat([draft, succ, retr, retr])
+        return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
+
+    def estimates(self) -> torch.Tensor:
+        """``float32[size + 1]``: posterior means ``(hits + w * prior) / (trials + w)``; the dump bin
+        is 0. Computed once per round (three small ops on the table)."""
+        est = (self.hits + self.w * self.prior) / (self.trials + self.w)
+        return torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
+
+    # ------------------------------------------------------------------ updates
+    def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
+               estimates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Credit one verify round.
+
+        Args:
+            bins: ``int64[B, N, NUM_MEMBERS]`` bin of each member of each tree node, -1 where that
+                source did not propose the node (and for the root and padding).
+            on_path: ``bool[B, N]`` nodes on the accepted path.
+            depth: ``int64[B, N]`` node depths.
+            estimates: the `estimates` table the round was built with.
+        Returns:
+            This round's metric increments (device tensors, also added to `member_stats` /
+            `depth_stats`): ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) and
+            ``float64[max_depth + 1, 2]`` (verified, accepted nodes per depth; row 0 unused).
+        """
+        dump = self.layout.size
+        valid = bins >= 0
+        flat = torch.where(valid, bins, dump).reshape(-1)
+        hit = (on_path[:, :, None] & valid).reshape(-1).float()
+        self.trials.index_add_(0, flat, valid.reshape(-1).float())
+        self.hits.index_add_(0, flat, hit)
+        self.trials[dump].fill_(0.0)
+        self.hits[dump].fill_(0.0)
+        scale = torch.where(self.trials > self.halve_at, 0.5, 1.0)
+        self.trials.mul_(scale)
+        self.hits.mul_(scale)
+        # metrics: per member source and per depth (cumulative, never halved)
+        est = estimates.gather(0, flat).view_as(bins).double()
+        v = valid.double()
+        h = hit.view_as(bins).double()
+        members = torch.stack([v.sum((0, 1)), (est * v).sum((0, 1)), h.sum((0, 1))], dim=1)
+        node = valid.any(dim=2)
+        d = torch.where(node, depth.clamp(0, self.max_depth), 0).reshape(-1)
+        depths = torch.zeros_like(self.depth_stats).index_add_(
+            0, d, torch.stack([node.reshape(-1).double(), (node & on_path).reshape(-1).double()], dim=1))
+        depths[0].fill_(0.0)
+        self.member_stats += members
+        self.depth_stats += depths
+        return members, depths
+
+    def summary(self) -> dict:
+        """Host copy of the metrics (one device read; call it off the decode path, e.g. from a stats
+        endpoint): per member source ``{trials, estimated, observed}`` and per depth
+        ``{trials, observed}``."""
+        ms = self.member_stats.cpu().tolist()
+        ds = self.depth_stats.cpu().tolist()
+        members = {name: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None)}
+                   for name, (t, e, h) in zip(MEMBER_NAMES, ms)}
+        depths = {d: {"trials": int(t), "observed": h / t} for d, (t, h) in enumerate(ds) if t > 0}
+        return {"members": members, "depths": depths}

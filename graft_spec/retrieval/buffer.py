@@ -1,0 +1,113 @@
+"""The fixed-size candidate buffer that carries host-side proposals to the device graft step.
+
+Host sources (suffix index, corpus) run on the CPU, off the critical path: the adapter fills one row
+per request while the accelerator drafts, then uploads the whole batch with one non-blocking copy
+from pinned memory (`HostCandidateBuffer.upload`). The step sees fixed shapes whatever the sources
+found: ``[B, M]`` candidates, invalid slots marked, plus the length of the context each row was
+anchored at (the device compares it with its own committed length to re-anchor, step.py).
+
+Layout of the staging tensor ``int64[max_batch, 5, M + 1]`` (one contiguous block per row):
+row 0 tokens, 1 parents (-1 = child of the anchor), 2 log-probabilities (float64 bit patterns),
+3 member source (-1 = empty slot), 4 match length; column M of row 0 holds the anchor length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import Proposal
+
+__all__ = ["HostCandidates", "HostCandidateBuffer"]
+
+
+@dataclass
+class HostCandidates:
+    """Host proposals of a batch, on the device.
+
+    Attributes:
+        tokens: ``int64[B, M]``.
+        parents: ``int64[B, M]`` index of the parent candidate, -1 = child of the anchor.
+        logp: ``float32[B, M]`` log of the source's path probability anchor -> node.
+        member: ``int64[B, M]`` calibration member (MEMBER_SUFFIX / MEMBER_CORPUS), -1 = empty.
+        match: ``int64[B, M]`` context tokens the proposal was matched on.
+        anchor_len: ``int64[B]`` tokens of context (prompt + outputs) the host had seen; the anchor is
+            the last of them.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    logp: torch.Tensor
+    member: torch.Tensor
+    match: torch.Tensor
+    anchor_len: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def empty(batch: int, width: int, device: torch.device | str = "cpu") -> "HostCandidates":
+        """A batch without proposals (every slot empty, anchor length 0)."""
+        z = torch.zeros(batch, width, dtype=torch.int64, device=device)
+        return HostCandidates(z, z - 1, torch.full((batch, width), -float("inf"), device=device), z - 1, z,
+                              torch.zeros(batch, dtype=torch.int64, device=device))
+
+
+class HostCandidateBuffer:
+    """Pinned staging rows for `HostCandidates` and their upload.
+
+    Args:
+        max_batch: rows (the engine's largest batch).
+        width: M, candidates per request.
+        device: the device the step runs on; the staging memory is pinned when it is a CUDA device.
+    """
+
+    def __init__(self, max_batch: int, width: int, device: torch.device | str = "cpu"):
+        self.width, self.device = width, torch.device(device)
+        pin = self.device.type == "cuda"
+        self.staging = torch.zeros(max(1, max_batch), 5, width + 1, dtype=torch.int64, pin_memory=pin)
+        self._np = self.staging.numpy()
+        self._logp = self._np[:, 2, :width].view(np.float64)
+
+    @property
+    def max_batch(self) -> int:
+        return self.staging.shape[0]
+
+    def ensure(self, batch: int) -> None:
+        """Grow the staging rows to at least ``batch`` (start-up sizing; not on the decode path)."""
+        if batch > self.max_batch:
+            self.__init__(batch, self.width, self.device)
+
+    def clear(self, row: int, anchor_len: int) -> None:
+        """Empty a row and set its anchor length."""
+        r = self._np[row]
+        r[3, :] = -1
+        r[0, self.width] = anchor_len
+
+    def put(self, row: int, offset: int, member: int, proposal: Proposal) -> int:
+        """Write a proposal at columns ``offset ..`` of ``row`` (parents re-based); returns the number
+        of candidates written (truncated to the row's remaining width: a prefix of a best-first,
+        topological proposal stays ancestor-closed)."""
+        n = min(len(proposal), self.width - offset)
+        if n <= 0:
+            return 0
+        r = self._np[row]
+        sl = slice(offset, offset + n)
+        r[0, sl] = proposal.tokens[:n]
+        par = np.asarray(proposal.parents[:n], dtype=np.int64)
+        r[1, sl] = np.where(par >= 0, par + offset, -1)
+        self._logp[row, sl] = np.log(np.maximum(np.asarray(proposal.probs[:n], dtype=np.float64), 1e-30))
+        r[3, sl] = member
+        r[4, sl] = max(1, proposal.match_len)
+        return n
+
+    def upload(self, batch: int) -> HostCandidates:
+        """The first ``batch`` rows on the device: one (non-blocking, from pinned memory) copy."""
+        dev = self.staging[:batch].to(self.device, non_blocking=True)
+        m = self.width
+        return HostCandidates(
+            tokens=dev[:, 0, :m], parents=dev[:, 1, :m], logp=dev[:, 2, :m].view(torch.float64).float(),
+            member=dev[:, 3, :m], match=dev[:, 4, :m], anchor_len=dev[:, 0, m])

@@ -1,0 +1,387 @@
+"""The per-round graft step: one pure function of device tensors with static shapes.
+
+`GraftStep.__call__` turns one decode round's inputs into the verify input of the hybrid tree:
+
+    draft candidates [B, S]  --calibrated rerank-->  N draft nodes  --+
+    root tokens [B] --successor table--> T template nodes ------------+--merge_select--> tree [B, N]
+    host buffer [B, M] --re-anchor--> M host nodes -------------------+        |
+                                                                      layout: positions, mask, links
+
+Every candidate is priced in one currency, its calibrated estimate of lying on the accepted path
+(calibration.py); `merge_select` keeps the ancestor-closed N - 1 best (graft.py). With
+``checkpoints`` in the config the draft part follows the paper's confidence gating instead (kept
+draft nodes always in, pruned ones refill what retrieval leaves).
+
+Host proposals are anchored at the context the host knew (``anchor_len`` tokens). The device knows
+``seq_len + 1`` tokens (committed + root). Under the overlap scheduler the host lags one round, so
+the step *re-anchors* each proposal on the tokens committed since (`reanchor`): a proposed path
+whose first ``gap`` tokens equal them continues under the new root, shortened by ``gap``; every
+other path is dropped. Without overlap ``gap`` is 0 and nothing changes.
+
+No ``.item()``, ``.tolist()``, host copies, data-dependent Python control flow or data-dependent
+shapes: the same code runs eagerly on CPU and accelerators, on ``meta`` tensors and under
+``torch.compile(fullgraph=True, dynamic=False)`` (tests/test_core_step.py proves all three).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .calibration import MEMBER_CORPUS, MEMBER_DRAFT, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
+from .gate import kth_best
+from .config import GraftConfig
+from .graft import merge_select
+from .prune import PruneStages, prune
+from .retrieval.buffer import HostCandidates
+from .retrieval.successor import SuccessorTable
+from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, sibling_links,
+                   top_mask)
+
+__all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "CommitLog", "StepOutput",
+           "GraftStep", "reanchor", "tree_layout"]
+
+
+@dataclass
+class DraftCandidates:
+    """The draft model's candidate tree of a round, root excluded.
+
+    Attributes:
+        tokens: ``int64[B, S]``.
+        parents: ``int64[B, S]``; -1 = child of the root, else the parent's index (< own index).
+        logq: ``float32[B, S]`` cumulative draft log-probability of the path (-inf = not drafted).
+        depth: ``int64[B, S]`` node depth (root = 0).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    logq: torch.Tensor
+    depth: torch.Tensor
+
+
+def dense_draft_candidates(scores: torch.Tensor, tokens: torch.Tensor, parent_list: torch.Tensor,
+                           topk: int, steps: int) -> DraftCandidates:
+    """The dense EAGLE tree in SGLang's ``select_top_k_tokens`` layout as `DraftCandidates`.
+
+    Source: SGLang 0.5.23 ``spec_utils.py:474`` (layout) and ``eagle_utils.py:100`` /
+    ``eagle.cuh`` (parent rule: index g has tb = g // topk; tb == 0 -> the root, else the node
+    whose index is ``parent_list[tb]``).
+
+    Args:
+        scores: ``float[B, S]`` cumulative draft probabilities, S = topk + (steps - 1) * topk**2.
+        tokens: ``int64[B, S]``.
+        parent_list: ``int64[B, 1 + topk * (steps - 1)]`` (``organize_draft_results``' output).
+        topk, steps: the draft shape.
+    Returns:
+        `DraftCandidates` ``[B, S]``.
+    """
+    b, s = scores.shape
+    dev = scores.device
+    g = torch.arange(s, device=dev)
+    tb = g // topk
+    if parent_list.shape[1] > 0:
+        gp = parent_list.to(torch.int64).gather(1, tb.clamp(max=parent_list.shape[1] - 1).expand(b, s))
+    else:
+        gp = torch.full((b, s), -1, dtype=torch.int64, device=dev)
+    parents = torch.where(tb == 0, -1, gp)
+    depth = torch.where(g < topk, 1, 2 + (g - topk) // (topk * topk)).expand(b, s)
+    logq = torch.nan_to_num(torch.log(scores.float().clamp(min=0)), nan=-math.inf)
+    return DraftCandidates(tokens.to(torch.int64), parents, logq, depth)
+
+
+def tree_draft_candidates(tree: DraftTree) -> DraftCandidates:
+    """A `DraftTree` (root at 0, ``logp`` = cumulative draft log-prob) as `DraftCandidates`."""
+    par = tree.parents[:, 1:]
+    return DraftCandidates(tree.tokens[:, 1:], torch.where(par <= 0, -1, par - 1), tree.logp[:, 1:].float(),
+                           node_depths(tree.parents)[:, 1:])
+
+
+class CommitLog:
+    """The tokens each engine slot committed in its last verify round, on the device.
+
+    The graft step reads them to re-anchor host proposals made before that round (overlap
+    scheduler). Rows are engine slots (SGLang: ``req_pool_indices``).
+
+    Args:
+        slots: number of slots; width: L, the most tokens one round commits (N).
+        device: where it lives.
+    """
+
+    def __init__(self, slots: int, width: int, device: torch.device | str = "cpu"):
+        self.tokens = torch.zeros(max(1, slots), width, dtype=torch.int64, device=device)
+        self.lens = torch.zeros(max(1, slots), dtype=torch.int64, device=device)
+
+    def ensure(self, slots: int) -> None:
+        """Grow to at least ``slots`` rows (a host-side size check; grows once, at start-up)."""
+        if slots > self.tokens.shape[0]:
+            grow = slots - self.tokens.shape[0]
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(grow, self.tokens.shape[1])])
+            self.lens = torch.cat([self.lens, self.lens.new_zeros(grow)])
+
+    def record(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
+        """Store the committed tokens ``[B, <= L]`` (first ``lens[b]`` valid) of slots ``[B]``."""
+        w = min(tokens.shape[1], self.tokens.shape[1])
+        rows = torch.zeros(tokens.shape[0], self.tokens.shape[1], dtype=torch.int64, device=self.tokens.device)
+        rows[:, :w] = tokens[:, :w].to(torch.int64)
+        ids = slot_ids.to(torch.int64)
+        self.tokens.index_copy_(0, ids, rows)
+        self.lens.index_copy_(0, ids, lens.to(torch.int64).clamp(max=self.tokens.shape[1]))
+
+    def gather(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens int64[B, L], lens int64[B])`` of the given slots."""
+        ids = slot_ids.to(torch.int64)
+        return self.tokens.index_select(0, ids), self.lens.index_select(0, ids)
+
+
+def reanchor(host: HostCandidates, prev_tokens: torch.Tensor, prev_len: torch.Tensor, seq_lens: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move host proposals from the host's anchor to the device's root.
+
+    ``gap = seq_len + 1 - anchor_len`` tokens were committed after the host's context; they are
+    the last ``gap`` of ``prev_tokens`` (the previous round's commits; the last one is the root). A
+    candidate at depth d (below the anchor) survives when d > gap and its first ``gap`` path tokens
+    equal them; it then sits at depth d - gap under the root, its path probability divided by that
+    of its consumed prefix and its match length grown by ``gap``. Rows with ``gap < 0`` or
+    ``gap > prev_len`` (the host is stale beyond one round, or ahead) lose every candidate.
+
+    Args:
+        host: `HostCandidates` ``[B, M]``.
+        prev_tokens: ``int64[B, L]``; prev_len: ``int64[B]``: the previous round's commits.
+        seq_lens: ``int64[B]`` committed tokens before the root.
+    Returns:
+        ``(parents, depth, logp, match, valid)`` all ``[B, M]``: parents -1 = child of the root.
+    """
+    b, m = host.tokens.shape
+    dev = host.tokens.device
+    lw = prev_tokens.shape[1]
+    par = host.parents
+    full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
+    depth = node_depths(full)[:, 1:]                                           # 1-based below the anchor
+    gap = seq_lens.to(torch.int64) + 1 - host.anchor_len
+    ok_gap = (gap >= 0) & (gap <= prev_len)
+    j = (depth - 1).clamp(0, lw - 1)
+    src = (prev_len - gap)[:, None] + j
+    want = prev_tokens.gather(1, src.clamp(0, lw - 1))
+    consumed = depth <= gap[:, None]
+    match_here = torch.where(consumed, host.tokens == want, True)
+    one = torch.ones(b, 1, device=dev)
+    path_ok = path_min(torch.cat([one, match_here.float()], 1), full)[:, 1:] > 0.5
+    valid = (host.member >= 0) & path_ok & ~consumed & ok_gap[:, None]
+    par_depth = depth.gather(1, par.clamp(min=0))
+    new_par = torch.where((par >= 0) & (par_depth > gap[:, None]), par, -1)
+    inf = torch.full((), math.inf, device=dev)
+    base = path_min(torch.cat([inf.expand(b, 1), torch.where(consumed, host.logp, inf)], 1), full)[:, 1:]
+    logp = host.logp - torch.where(torch.isinf(base), 0.0, base)
+    return new_par, depth - gap[:, None], logp.clamp(max=0.0), host.match + gap[:, None], valid
+
+
+def tree_layout(tree: DraftTree, seq_lens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verify-side arrays of a tree (SGLang ``build_tree_kernel_efficient``'s outputs,
+    ``eagle_utils.py:138``): ``(depth, positions, ancestor mask bool[B, N, N], first_child,
+    next_sibling)``, positions = ``seq_len + depth``."""
+    depth = node_depths(tree.parents)
+    first, nxt = sibling_links(tree.parents)
+    return depth, seq_lens.to(torch.int64)[:, None] + depth, ancestor_mask(tree.parents), first, nxt
+
+
+@dataclass
+class StepOutput:
+    """Everything one round's verify and its bookkeeping need.
+
+    Attributes:
+        tree: hybrid `DraftTree` ``[B, N]`` (``logp`` = log estimated path acceptance).
+        member_bins: ``int64[B, N, NUM_MEMBERS]`` calibration bin of every member of every node.
+        depth, positions: ``int64[B, N]``.
+        mask: ``bool[B, N, N]`` ancestor mask.
+        first_child, next_sibling: ``int64[B, N]`` SGLang's retrieve_next_token / _sibling.
+        estimates: the calibration estimates the round was priced with (for the update).
+    """
+
+    tree: DraftTree
+    member_bins: torch.Tensor
+    depth: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    estimates: torch.Tensor
+
+    @staticmethod
+    def from_tree(tree: DraftTree, seq_lens: torch.Tensor) -> "StepOutput":
+        """The verify layout of a given tree, without calibration data (member bins -1, an empty
+        estimate table): for engines or tests that build trees another way."""
+        depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
+        b, n = tree.tokens.shape
+        bins = torch.full((b, n, NUM_MEMBERS), -1, dtype=torch.int64, device=tree.device)
+        return StepOutput(tree, bins, depth, positions, mask, first, nxt, torch.zeros(1, device=tree.device))
+
+    @property
+    def expected_accept_length(self) -> torch.Tensor:
+        """``float32[B]``: 1 (bonus) + sum of the nodes' estimates."""
+        return 1.0 + self.tree.logp[:, 1:].exp().sum(dim=1)
+
+
+class GraftStep:
+    """The static part of the step (shapes, template, stages) and the step itself.
+
+    Args:
+        config: validated `GraftConfig` (N, retrieval, checkpoints, policy).
+        calibrator: the engine's `Calibrator` (bins; its estimates are an input of every call).
+        successor: the engine's `SuccessorTable`, or None when disabled.
+        device: where the step runs.
+    """
+
+    def __init__(self, config: GraftConfig, calibrator: Calibrator, successor: Optional[SuccessorTable],
+                 device: torch.device | str = "cpu"):
+        self.config, self.calibrator, self.successor = config, calibrator, successor
+        self.n = config.num_draft_tokens
+        self.device = torch.device(device)
+        self.stages = PruneStages.build(config.checkpoints, self.device) if config.checkpoints else None
+
+    # ------------------------------------------------------------------ parts
+    def _draft_part(self, draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor,
+                    est_table: torch.Tensor):
+        """Root + the N - 1 best draft candidates: (tokens, parents, key, est, valid, bins), [B, N]."""
+        cal, n = self.calibrator, self.n
+        b, s = draft.tokens.shape
+        dev = draft.tokens.device
+        drafted = torch.isfinite(draft.logq) & (draft.logq > -60.0)
+        if not self.config.draft_nodes:
+            drafted = torch.zeros_like(drafted)
+        bins = cal.draft_bins(draft.depth, draft.logq, sampled)
+        est = torch.where(drafted, est_table[bins], 0.0)
+        rank_key = draft.logq if self.stages is not None else torch.where(drafted, est, -1.0)
+        full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev),
+                          torch.where(draft.parents < 0, 0, draft.parents + 1)], 1)
+        inf = torch.full((b, 1), math.inf, device=dev)
+        key = path_min(torch.cat([inf, rank_key.float()], 1), full)[:, 1:]
+        k = min(n - 1, s)
+        sel = top_mask(order_key(key), k)                                           # [B, S]
+        rank = torch.cumsum(sel, dim=1)                                             # 1-based tree index
+        dest = torch.where(sel, rank - 1, k)
+        idx = torch.zeros(b, k + 1, dtype=torch.int64, device=dev)
+        idx.scatter_(1, dest, torch.arange(s, device=dev).expand(b, s))
+        idx = idx[:, :k]                                                            # ascending
+        pos = torch.where(sel, rank, -1)
+        gp = draft.parents.gather(1, idx)
+        par = torch.where(gp < 0, 0, pos.gather(1, gp.clamp(min=0)))
+
+        def pick(x, root_value):
+            head = torch.full((b, 1), root_value, dtype=x.dtype, device=dev)
+            return torch.cat([head, x.gather(1, idx)], 1)
+
+        tokens = torch.cat([roots.reshape(b, 1).to(torch.int64), draft.tokens.gather(1, idx)], 1)
+        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1)
+        est_n, valid_n = pick(est, 1.0), pick(drafted, True)
+        bins_n = pick(torch.where(drafted, bins, -1), -1)
+        if self.stages is None:
+            key_n = est_n
+        else:  # paper mode: kept draft nodes always in, pruned ones refill after retrieval
+            logq_n = pick(draft.logq.float(), 0.0)
+            tree = DraftTree(tokens, parents, torch.where(valid_n, logq_n, -math.inf),
+                             torch.full_like(tokens, SOURCE_DRAFT))
+            keep = prune(tree, self.stages, n).keep
+            refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
+            key_n = torch.where(keep, math.inf, refill)
+        return tokens, parents, key_n, est_n, valid_n, bins_n
+
+    def _successor_part(self, roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+        succ = self.successor
+        tokens, valid = succ.expand(roots)
+        t = succ.size
+        b = roots.shape[0]
+        bins = self.calibrator.successor_bins(t, sampled)
+        est = torch.where(valid, est_table[bins], 0.0)
+        parents = succ.t_parent.expand(b, t)
+        return tokens, parents, est, valid, torch.where(valid, bins, -1)
+
+    def _host_part(self, host: HostCandidates, prev_tokens: torch.Tensor, prev_len: torch.Tensor,
+                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+        parents, depth, logp, match, valid = reanchor(host, prev_tokens, prev_len, seq_lens)
+        bins = self.calibrator.retrieval_bins(host.member, depth.clamp(min=1), logp, match, sampled)
+        est = torch.where(valid, est_table[bins], 0.0)
+        return host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member
+
+    def retrieval_floor(self, roots: torch.Tensor, host: HostCandidates, prev_tokens: torch.Tensor,
+                        prev_len: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
+                        est_table: torch.Tensor) -> torch.Tensor:
+        """``float32[B]``: a lower bound of the round's selection threshold from the retrieved
+        candidates alone (max over sources of their (N-1)-th best estimate; gate.py). +inf when draft
+        nodes are disabled (nothing to draft for)."""
+        b = roots.shape[0]
+        est, valid, group = [torch.zeros(b, 0, device=roots.device)], [torch.zeros(b, 0, dtype=torch.bool,
+                                                                                      device=roots.device)], []
+        group.append(torch.zeros(b, 0, dtype=torch.int64, device=roots.device))
+        if self.successor is not None:
+            _, _, e, v, _ = self._successor_part(roots, sampled, est_table)
+            est.append(e)
+            valid.append(v)
+            group.append(torch.zeros_like(e, dtype=torch.int64))
+        if host.width > 0:
+            _, _, e, v, _, member = self._host_part(host, prev_tokens, prev_len, seq_lens, sampled, est_table)
+            est.append(e)
+            valid.append(v)
+            group.append(1 + (member == MEMBER_CORPUS).to(torch.int64))
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), 3, self.n - 1)
+        if not self.config.draft_nodes:
+            floor = torch.full_like(floor, math.inf)
+        return floor
+
+    # ------------------------------------------------------------------ the step
+    def __call__(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
+                 prev_tokens: torch.Tensor, prev_len: torch.Tensor, seq_lens: torch.Tensor,
+                 sampled: torch.Tensor, est_table: torch.Tensor) -> StepOutput:
+        """Build one round's hybrid tree and its verify layout.
+
+        Args:
+            draft: `DraftCandidates` ``[B, S]``.
+            roots: ``int64[B]`` root tokens (the previous round's bonus tokens).
+            host: `HostCandidates` ``[B, M]`` (M may be 0).
+            prev_tokens, prev_len: ``[B, L]`` / ``[B]`` the previous round's commits (`CommitLog`).
+            seq_lens: ``int64[B]`` committed tokens before the root.
+            sampled: ``bool[B]`` rows verified by sampling (their own calibration bins).
+            est_table: ``Calibrator.estimates()``.
+        Returns:
+            `StepOutput` with N = ``config.num_draft_tokens``.
+        """
+        parts_tok, parts_par, parts_key, parts_est, parts_valid, parts_member, parts_bins = [], [], [], [], [], [], []
+
+        tok, par, key, est, valid, bins = self._draft_part(draft, roots, sampled, est_table)
+        parts_tok.append(tok)
+        parts_par.append(par)
+        parts_key.append(key)
+        parts_est.append(est)
+        parts_valid.append(valid)
+        parts_member.append(torch.full_like(tok, MEMBER_DRAFT))
+        parts_bins.append(bins)
+        offset = tok.shape[1]
+
+        def add(tok, par, est, valid, bins, member):
+            nonlocal offset
+            parts_tok.append(tok)
+            parts_par.append(torch.where(par < 0, 0, par + offset))
+            parts_key.append(est)
+            parts_est.append(est)
+            parts_valid.append(valid)
+            parts_member.append(member)
+            parts_bins.append(bins)
+            offset += tok.shape[1]
+
+        if self.successor is not None:
+            tok, par, est, valid, bins = self._successor_part(roots, sampled, est_table)
+            add(tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR))
+        if host.width > 0:
+            tok, par, est, valid, bins, member = self._host_part(host, prev_tokens, prev_len, seq_lens,
+                                                                 sampled, est_table)
+            add(tok, par, est, valid, bins, member)
+
+        tree, member_bins = merge_select(
+            torch.cat(parts_tok, 1), torch.cat(parts_par, 1), torch.cat(parts_key, 1), torch.cat(parts_est, 1),
+            torch.cat(parts_valid, 1), torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n,
+            self.config.graft)
+        depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
+        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table)

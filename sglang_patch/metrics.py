@@ -1,0 +1,140 @@
+"""Graft's serving statistics: host accumulators, ``/server_info`` and Prometheus series on ``/metrics``.
+
+Everything here is fed from host data only: each round's accepted sources, accept lengths and
+calibration counts travel from the device as a ``DeviceAuxiliaryOutput`` that SGLang copies with its
+own result copy (``managers/auxiliary_output.py``), so reading them costs the decode loop nothing.
+
+With ``--enable-metrics`` the series below are registered in the scheduler process; SGLang runs
+``prometheus_client`` in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by the launcher before the
+schedulers start, ``utils/common.py:2825``), so they appear on the server's ``/metrics`` next to
+SGLang's own ``sglang:*`` series (``observability/metrics_collector.py``):
+
+| series | type | labels | what |
+|---|---|---|---|
+| ``graft:accepted_tokens_total`` | counter | source = draft, retrieved, padding, bonus | emitted tokens by origin |
+| ``graft:accept_length`` | histogram | | tokens per request per verify round (bonus included) |
+| ``graft:verified_nodes_total`` | counter | depth | verified tree nodes per depth |
+| ``graft:accepted_nodes_total`` | counter | depth | of those, on the accepted path |
+| ``graft:calibration_trials_total`` | counter | member = draft, successor, suffix, corpus | verified nodes each source proposed |
+| ``graft:calibration_estimated_total`` | counter | member | sum of their estimated acceptance |
+| ``graft:calibration_hits_total`` | counter | member | how many were accepted |
+| ``graft:draft_forwards_total`` | counter | outcome = run, skipped | eager draft forwards (stop gate) |
+
+Mean estimated vs observed acceptance of a member = ``estimated_total / trials_total`` vs
+``hits_total / trials_total``; acceptance per depth = ``accepted_nodes / verified_nodes``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+from graft_spec.calibration import MEMBER_NAMES
+from graft_spec.tree import SOURCE_NAMES
+
+ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
+
+
+class GraftStats:
+    """Cumulative host statistics of one scheduler, optionally mirrored to Prometheus.
+
+    Args:
+        prometheus: register the ``graft:*`` series (SGLang's ``--enable-metrics``).
+    Attributes:
+        accepted: accepted tokens by source (draft / retrieved / padding) plus ``bonus``.
+        accept_length_counts: {accept length: rounds}.
+        calibration: per member source [trials, sum of estimates, hits].
+        depth: per depth [verified nodes, accepted nodes].
+        draft_forwards: {"run": n, "skipped": n}.
+    """
+
+    def __init__(self, prometheus: bool = False):
+        self.accepted: Dict[str, int] = {name: 0 for name in (*SOURCE_NAMES, "bonus")}
+        self.accept_length_counts: Dict[int, int] = {}
+        self.calibration: Dict[str, List[float]] = {m: [0.0, 0.0, 0.0] for m in MEMBER_NAMES}
+        self.depth: Dict[int, List[float]] = {}
+        self.draft_forwards: Dict[str, int] = {"run": 0, "skipped": 0}
+        self._prom = _Prometheus() if prometheus else None
+
+    def record_round(self, sources: Sequence[Sequence[int]], members: Sequence[Sequence[float]],
+                     depths: Sequence[Sequence[float]]) -> None:
+        """One verified round.
+
+        Args:
+            sources: per request the ``SOURCE_*`` of each accepted non-root node, -1 after the path.
+            members: ``[NUM_MEMBERS][3]`` this round's (trials, sum of estimates, hits) per member.
+            depths: ``[D + 1][2]`` this round's (verified, accepted) nodes per depth (row 0 unused).
+        """
+        for row in sources:
+            accepted = [int(s) for s in row if s >= 0]
+            for s in accepted:
+                self.accepted[SOURCE_NAMES[s]] += 1
+            self.accepted["bonus"] += 1
+            n = len(accepted) + 1
+            self.accept_length_counts[n] = self.accept_length_counts.get(n, 0) + 1
+            if self._prom:
+                for s in accepted:
+                    self._prom.accepted.labels(source=SOURCE_NAMES[s]).inc()
+                self._prom.accepted.labels(source="bonus").inc()
+                self._prom.accept_length.observe(n)
+        for name, (t, e, h) in zip(MEMBER_NAMES, members):
+            if t:
+                c = self.calibration[name]
+                c[0] += t
+                c[1] += e
+                c[2] += h
+                if self._prom:
+                    self._prom.cal_trials.labels(member=name).inc(t)
+                    self._prom.cal_estimated.labels(member=name).inc(e)
+                    self._prom.cal_hits.labels(member=name).inc(h)
+        for d, (t, h) in enumerate(depths):
+            if d and t:
+                c = self.depth.setdefault(d, [0.0, 0.0])
+                c[0] += t
+                c[1] += h
+                if self._prom:
+                    self._prom.verified.labels(depth=str(d)).inc(t)
+                    self._prom.accepted_nodes.labels(depth=str(d)).inc(h)
+
+    def count_draft_forward(self, ran: bool) -> None:
+        key = "run" if ran else "skipped"
+        self.draft_forwards[key] += 1
+        if self._prom:
+            self._prom.draft_forwards.labels(outcome=key).inc()
+
+    def summary(self) -> dict:
+        """The ``/server_info`` view: counts, and estimated vs observed acceptance per member and depth."""
+        cal = {m: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None)}
+               for m, (t, e, h) in self.calibration.items()}
+        depth = {d: {"verified": int(t), "observed": h / t} for d, (t, h) in sorted(self.depth.items()) if t}
+        return {"accepted_tokens": dict(self.accepted),
+                "accept_length_hist": dict(sorted(self.accept_length_counts.items())),
+                "calibration": cal, "acceptance_by_depth": depth, "draft_forwards": dict(self.draft_forwards)}
+
+
+class _Prometheus:
+    """The ``graft:*`` series (see the module docstring); prometheus_client is imported here, after
+    SGLang has set ``PROMETHEUS_MULTIPROC_DIR``."""
+
+    def __init__(self):
+        from prometheus_client import Counter, Histogram
+
+        self.accepted = Counter("graft:accepted_tokens", "Emitted tokens by origin", ["source"])
+        self.accept_length = Histogram("graft:accept_length", "Tokens per request per verify round",
+                                       buckets=ACCEPT_LENGTH_BUCKETS)
+        self.verified = Counter("graft:verified_nodes", "Verified tree nodes per depth", ["depth"])
+        self.accepted_nodes = Counter("graft:accepted_nodes", "Accepted tree nodes per depth", ["depth"])
+        self.cal_trials = Counter("graft:calibration_trials", "Verified nodes per proposing source", ["member"])
+        self.cal_estimated = Counter("graft:calibration_estimated", "Sum of estimated acceptance", ["member"])
+        self.cal_hits = Counter("graft:calibration_hits", "Accepted nodes per proposing source", ["member"])
+        self.draft_forwards = Counter("graft:draft_forwards", "Eager draft forwards", ["outcome"])
+
+
+def prometheus_enabled() -> bool:
+    """SGLang's ``--enable-metrics`` for this process (False outside a configured server)."""
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except Exception:  # noqa: BLE001 - no runtime context (tests)
+        return False
+

@@ -1,0 +1,34 @@
+"""The step benchmark (sglang_patch/bench/step.py) runs end to end, writes its JSON with both
+methods side by side, and its counters count what they claim (no timing assertions)."""
+
+import json
+
+import torch
+
+from sglang_patch.bench import step as bench_step
+
+
+def test_step_bench_writes_graft_and_eagle_rows(tmp_path):
+    out = tmp_path / "step.json"
+    assert bench_step.main(["--json", str(out), "--batches", "1,3", "--nodes", "24", "--rounds", "2",
+                            "--vocab", "2000"]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["method"], r["batch"]) for r in data["rows"]}
+    assert rows == {("graft", 1), ("eagle", 1), ("graft", 3), ("eagle", 3)}
+    for r in data["rows"]:
+        assert r["ops_per_round"] > 0 and r["host_us_per_round"] > 0
+        if r["method"] == "graft":
+            assert r["syncs_per_round"] == 0 and r["observe_syncs_per_round"] == 0
+            assert r["host_to_device_copies_per_round"] == 1
+    assert {(r["batch"], r["num_draft_tokens"]) for r in data["ratios"]} == {(1, 24), (3, 24)}
+
+
+def test_op_counter_counts_kernels_and_syncs():
+    x = torch.arange(6).reshape(2, 3)
+    with bench_step.OpCounter() as c:
+        y = x.view(3, 2).t()          # views: no kernel
+        z = (y + 1).sum()             # two kernels
+        z.item()                      # one host read
+        with c.as_one_op():
+            torch.ones(3).cumsum(0).max()
+    assert c.ops == 4 and c.syncs == 1

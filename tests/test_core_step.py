@@ -1,0 +1,370 @@
+"""The per-round graft step: static shapes and no host reads (meta tensors, fullgraph compile, a
+dispatch-level check), re-anchoring of host proposals, calibration, the stop gate, and a simulated
+decode loop in which Graft is never worse than its parts."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graft_spec.calibration import MEMBER_SUFFIX
+from graft_spec.config import GraftConfig
+from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
+from graft_spec.retrieval.buffer import HostCandidates
+from graft_spec.step import dense_draft_candidates, reanchor
+from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, eagle_step,
+                             has_duplicate_siblings, validate_parents)
+from graft_spec.verify import greedy_verify
+
+#: aten ops that read device data on the host, copy between devices, or have data-dependent shapes
+HOST_OPS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "lift_fresh", "_to_copy",
+            "to_copy", "index.Tensor_bool")
+
+
+class HostReadGuard(TorchDispatchMode):
+    """Records every aten op the step dispatches that reads data on the host or moves it between
+    devices (see `HOST_OPS`); a ``_to_copy`` that stays on the same device is allowed (dtype casts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__
+        if any(h in name for h in HOST_OPS):
+            moves = "device" in kwargs and args and isinstance(args[0], torch.Tensor) and \
+                torch.device(kwargs["device"]) != args[0].device
+            if not name.startswith("_to_copy") or moves:
+                self.bad.append(name)
+        if name.startswith("index.Tensor") and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                                   for a in (args[1] if len(args) > 1 else []) if a is not None):
+            self.bad.append("boolean index")
+        return func(*args, **(kwargs or {}))
+
+
+def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True):
+    s = topk + (steps - 1) * topk * topk
+    p = 1 + topk * (steps - 1)
+    if dev == "meta":
+        scores, tokens = torch.rand(b, s, device=dev), torch.randint(0, vocab, (b, s), device=dev)
+        parent_list = torch.randint(0, s, (b, p), device=dev)
+    else:
+        sl, tl, pl, fs = [], [], [], None
+        for i in range(steps):
+            shape = (b, topk) if i == 0 else (b, topk, topk)
+            q = torch.softmax(torch.randn(*shape, generator=gen) * 2, -1).sort(-1, descending=True).values
+            (sc, tk, pa), fs, _ = eagle_step(i, q, torch.randint(0, vocab, shape, generator=gen), fs)
+            sl.append(sc.reshape(b, -1))
+            tl.append(tk)
+            pl.append(pa)
+        scores, tokens = torch.cat(sl, 1), torch.cat(tl, 1)
+        parent_list = torch.cat([x.reshape(b, -1) for x in pl[:-1]], 1)
+    draft = dense_draft_candidates(scores, tokens, parent_list, topk, steps)
+    host = HostCandidates(torch.randint(0, vocab, (b, m), device=dev), torch.full((b, m), -1, device=dev),
+                          torch.zeros(b, m, device=dev), torch.full((b, m), MEMBER_SUFFIX, device=dev),
+                          torch.ones(b, m, dtype=torch.int64, device=dev), torch.full((b,), 5, device=dev))
+    return (draft, torch.randint(0, vocab, (b,), device=dev), host, torch.arange(b, device=dev),
+            torch.full((b,), 4, device=dev), torch.arange(b, device=dev) % 2 == 1)
+
+
+SHAPES = {24: (4, 4), 60: (10, 7)}
+
+
+@pytest.mark.parametrize("n", [24, 60])
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_step_runs_on_meta_tensors(b, n):
+    """Static shapes and no host read: the step (and the planner's device state) runs on ``meta``."""
+    topk, steps = SHAPES[n]
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps)
+    planner = GraftPlanner(cfg, 151936, device="meta", max_slots=64)
+    out = planner.build(*dense_inputs(b, topk, steps, 151936, 64, "meta"))
+    assert out.tree.tokens.shape == (b, n) and out.mask.shape == (b, n, n)
+    assert out.member_bins.shape == (b, n, 4) and out.positions.device.type == "meta"
+
+
+@pytest.mark.parametrize("n", [24, 60])
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n):
+    """``torch.compile(fullgraph=True, dynamic=False)`` traces the whole step without a graph break
+    (a host read or data-dependent branch would break it), the compiled step equals the eager one,
+    and the eager step dispatches none of `HOST_OPS`."""
+    topk, steps = SHAPES[n]
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps)
+    planner = GraftPlanner(cfg, 5000, max_slots=64)
+    gen = torch.Generator().manual_seed(b * 100 + n)
+    args = dense_inputs(b, topk, steps, 5000, 64, "cpu", gen)
+
+    def step(*a):
+        out = planner.build(*a)
+        return out.tree.tokens, out.tree.parents, out.mask, out.positions, out.member_bins
+
+    with HostReadGuard() as guard:
+        eager = step(*args)
+    assert guard.bad == [], f"the step dispatched host ops: {sorted(set(guard.bad))}"
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")(*args)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)
+    torch._dynamo.reset()
+
+
+def test_guard_catches_host_reads():
+    """The guard is not vacuous: item(), bool() and a list turned into a tensor are all caught."""
+    x = torch.arange(4)
+    for fn in (lambda: x.sum().item(), lambda: bool((x > 2).any()), lambda: torch.tensor([1, 2, 3, 4]) + x,
+               lambda: x[x > 1], lambda: x.nonzero()):
+        with HostReadGuard() as guard:
+            fn()
+        assert guard.bad, fn
+
+
+# ----------------------------------------------------------------------------- re-anchoring
+
+def test_reanchor_moves_matching_paths_under_the_new_root():
+    # host anchored after ... 7; it proposed 8 -> 9 -> 10 -> 11 and 8 -> 5, and 3 -> 4
+    tok = torch.tensor([[8, 9, 10, 11, 5, 3, 4]])
+    par = torch.tensor([[-1, 0, 1, 2, 0, -1, 5]])
+    logp = torch.log(torch.tensor([[0.9, 0.8, 0.6, 0.5, 0.1, 0.05, 0.04]]))
+    member = torch.full((1, 7), MEMBER_SUFFIX)
+    match = torch.full((1, 7), 3)
+    host = HostCandidates(tok, par, logp, member, match, torch.tensor([10]))
+    # the device committed 8, 9 since (root = 9): seq_len + 1 = 12 = 10 + gap 2
+    prev = torch.tensor([[8, 9, 0, 0]])
+    new_par, depth, lp, mt, valid = reanchor(host, prev, torch.tensor([2]), torch.tensor([11]))
+    assert valid[0].tolist() == [False, False, True, True, False, False, False]
+    assert new_par[0, 2] == -1 and new_par[0, 3] == 2 and depth[0, 2:4].tolist() == [1, 2]
+    assert lp[0, 2:4].exp().tolist() == pytest.approx([0.6 / 0.8, 0.5 / 0.8])
+    assert mt[0, 2:4].tolist() == [5, 5]
+    # no lag: everything stays, under the root
+    host0 = HostCandidates(tok, par, logp, member, match, torch.tensor([12]))
+    new_par, depth, lp, _, valid = reanchor(host0, prev, torch.tensor([2]), torch.tensor([11]))
+    assert valid.all() and torch.equal(new_par, par) and torch.allclose(lp, logp)
+    # the host is stale beyond the last round (gap 3 > 2 committed): nothing survives
+    host3 = HostCandidates(tok, par, logp, member, match, torch.tensor([9]))
+    assert not reanchor(host3, prev, torch.tensor([2]), torch.tensor([11]))[4].any()
+
+
+def test_planner_grafts_a_lagging_host_proposal_shifted():
+    """End to end through the planner: a suffix continuation proposed one round late still lands
+    under the current root (the overlap scheduler's case)."""
+    cfg = GraftConfig(num_draft_tokens=8, topk=2, depth=3, draft_nodes=False,
+                      retrieval={"successor": False, "max_candidates": 16})
+    planner = GraftPlanner(cfg, 100, max_slots=4)
+    planner.start_request("r", [1, 2, 3, 4, 5, 6, 1, 2])        # host knows ... 1 2
+    host = planner.host_candidates(["r"])
+    assert host.anchor_len.tolist() == [8]
+    planner.commits.record(torch.tensor([2]), torch.tensor([[3, 4]]), torch.tensor([2]))  # device: 3 4
+    args = dense_inputs(1, 2, 3, 100, 0, "cpu", torch.Generator().manual_seed(0))
+    out = planner.build(args[0], torch.tensor([4]), host, torch.tensor([2]), torch.tensor([9]),
+                        torch.tensor([False]))
+    real = out.tree.source[0] != SOURCE_PADDING
+    assert out.tree.tokens[0][real].tolist()[:4] == [4, 5, 6, 1]
+    assert (out.tree.source[0, 1:4] == SOURCE_RETRIEVED).all()
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def test_calibration_settles_on_observed_rates():
+    """Estimates of a bin converge to its observed acceptance; the metrics compare them."""
+    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, retrieval={"successor": False, "suffix": False})
+    planner = GraftPlanner(cfg, 50)
+    cal = planner.calibrator
+    b, n = 4, 8
+    rng = torch.Generator().manual_seed(0)
+    d1 = cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-0.2]]), torch.zeros(1, dtype=torch.bool))
+    bin1 = int(d1)
+    for _ in range(300):
+        est = cal.estimates()
+        bins = torch.full((b, n, 4), -1)
+        bins[:, 1, 0] = bin1
+        on_path = torch.zeros(b, n, dtype=torch.bool)
+        on_path[:, 0] = True
+        on_path[:, 1] = torch.rand(b, generator=rng) < 0.3
+        cal.update(bins, on_path, torch.ones(b, n, dtype=torch.int64), est)
+    assert cal.estimates()[bin1].item() == pytest.approx(0.3, abs=0.05)
+    summary = cal.summary()["members"]["draft"]
+    assert summary["trials"] == 1200 and abs(summary["estimated"] - summary["observed"]) < 0.1
+    # monotone in the probability axis: a less probable bin never gets a higher estimate
+    lower = int(cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-5.0]]),
+                               torch.zeros(1, dtype=torch.bool)))
+    assert cal.estimates()[lower] <= cal.estimates()[bin1]
+
+
+def test_observe_updates_device_state_and_reports_path_sources():
+    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, retrieval={"suffix": False, "max_candidates": 4})
+    planner = GraftPlanner(cfg, 50, max_slots=4)
+    args = dense_inputs(2, 2, 2, 50, 0, "cpu", torch.Generator().manual_seed(1))
+    out = planner.build(*args)
+    accept_index = torch.tensor([[0, 1, -1, -1, -1, -1], [6, -1, -1, -1, -1, -1]])
+    on_path = on_path_from_accept_index(accept_index, 6)
+    assert on_path[0, :2].tolist() == [True, True] and on_path[1].tolist() == [True] + [False] * 5
+    topk = torch.arange(2 * 6 * 3).reshape(2, 6, 3) % 50
+    committed = torch.tensor([[out.tree.tokens[0, 1].item(), 7, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0]])
+    stats = planner.observe(out, on_path, topk, committed, torch.tensor([2, 1]), torch.tensor([1, 3]))
+    srcs = stats.sources
+    assert srcs[0, 0].item() == out.tree.source[0, 1].item() and (srcs[0, 1:] == -1).all() and (srcs[1] == -1).all()
+    assert planner.commits.lens[[1, 3]].tolist() == [2, 1] and planner.commits.tokens[1, :2].tolist()[1] == 7
+    assert planner.calibrator.member_stats[0, 0] > 0   # draft nodes were verified
+    assert torch.equal(stats.members, planner.calibrator.member_stats)   # first round: increments = totals
+    assert stats.depths[1, 0] >= 1 and stats.depths[0].sum() == 0
+    t = out.tree.tokens[0, 1].item()
+    if (out.tree.tokens == t).sum() == 1:
+        assert planner.successor.table[t, :3].tolist() == topk[0, 1].tolist()
+
+
+# ----------------------------------------------------------------------------- stop gate
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gate_stop_keeps_the_selection(seed):
+    """When the gate stops drafting after depth d, the tree built from the truncated draft (deeper
+    scores 0) equals the tree built from the full draft."""
+    topk, steps, n, vocab = 3, 5, 10, 40
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, retrieval={"max_candidates": 16})
+    planner = GraftPlanner(cfg, vocab, max_slots=4)
+    gen = torch.Generator().manual_seed(seed)
+    b = 3
+    draft, roots, host, slots, seq, _ = dense_inputs(b, topk, steps, vocab, 16, "cpu", gen)
+    sampled = torch.zeros(b, dtype=torch.bool)
+    host.logp = torch.zeros_like(host.logp)
+    host.parents = torch.where(torch.arange(16) == 0, -1, torch.arange(16) - 1).expand(b, 16).clone()
+    host.match = torch.full_like(host.match, 40)
+    host.anchor_len = seq + 1
+    # teach the calibrator that long suffix matches are always right
+    planner.calibrator.hits[:-1] = 0.0
+    planner.calibrator.trials[:-1] = 0.0
+    suffix_bins = planner.calibrator.retrieval_bins(torch.full((1, 16), MEMBER_SUFFIX),
+                                                    torch.arange(1, 17)[None], torch.zeros(1, 16),
+                                                    torch.full((1, 16), 40), torch.tensor([False]))
+    planner.calibrator.hits[suffix_bins.flatten()] = 1000.0
+    planner.calibrator.trials[suffix_bins.flatten()] = 1000.0
+    gate = planner.stop_gate(roots, host, slots, seq, sampled)
+    assert gate.floor.min() > 0.9
+    q = draft.logq.exp()
+    bounds = [0, topk] + [topk + i * topk * topk for i in range(1, steps)]
+    for d in range(1, steps + 1):
+        if gate.observe(d, q[:, bounds[d - 1]:bounds[d]].amax(dim=1)):
+            break
+    assert gate.stop_depth == 1
+    keep = topk + (gate.stop_depth - 1) * topk * topk
+    full = planner.build(draft, roots, host, slots, seq, sampled)
+    draft.logq = torch.where(torch.arange(draft.logq.shape[1]) < keep, draft.logq, -math.inf)
+    cut = planner.build(draft, roots, host, slots, seq, sampled)
+    assert torch.equal(full.tree.tokens, cut.tree.tokens) and torch.equal(full.tree.parents, cut.tree.parents)
+
+
+# ----------------------------------------------------------------------------- simulated decoding
+
+class World:
+    """A deterministic greedy 'target' over V tokens: the next token is a function of the last two,
+    from one of two tables that alternate every 40 positions (so text repeats within a regime and
+    retrieval goes stale across regimes), and a 'draft' that knows the target's next token with
+    probability ``skill`` (else a random token), with topk - 1 random siblings."""
+
+    def __init__(self, vocab=48, skill=0.6, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.v, self.skill = vocab, skill
+        self.tables = [torch.randint(0, vocab, (vocab, vocab), generator=g) for _ in range(2)]
+        self.rng = random.Random(seed)
+
+    def next(self, a: int, b: int, pos: int) -> int:
+        return int(self.tables[(pos // 40) % 2][a, b])
+
+    def draft_lists(self, ctx_last2, pos, topk, steps):
+        """SGLang-layout dense draft lists for one request: [1, S] scores/tokens and parent list."""
+        frontier = [(ctx_last2[0], ctx_last2[1], 1.0)]        # (prev, last, cumulative q) per frontier slot
+        scores, tokens, parents = [], [], [torch.arange(-1, topk)]
+        for step in range(steps):
+            cand = []
+            for f, (a, b_, q) in enumerate(frontier):
+                right = self.next(a, b_, pos + step)
+                top = right if self.rng.random() < self.skill else self.rng.randrange(self.v)
+                sibs = [top] + self.rng.sample([t for t in range(self.v) if t != top], topk - 1)
+                probs = [0.6] + [0.4 / (topk - 1)] * (topk - 1)
+                for c, (t, p) in enumerate(zip(sibs, probs)):
+                    cand.append((q * p, t, f, c, b_))
+            if step == 0:
+                cand = cand[:topk]
+            scores.append(torch.tensor([c[0] for c in cand]))
+            tokens.append(torch.tensor([c[1] for c in cand]))
+            if step == 0:   # SGLang: the root's children are the next frontier, in order
+                best = list(range(topk))
+            else:           # the top-k cumulative scores, best first, as torch.topk orders them
+                best = sorted(range(len(cand)), key=lambda i: -cand[i][0])[:topk]
+                parents.append(torch.tensor([topk + topk * topk * (step - 1) + i for i in best]))
+            frontier = [(cand[i][4], cand[i][1], cand[i][0]) for i in best]
+        plist = torch.cat(parents[: steps - 1]) if steps > 1 else torch.empty(0, dtype=torch.int64)
+        return torch.cat(scores)[None], torch.cat(tokens)[None], plist[None]
+
+
+def simulate(cfg: GraftConfig, skill: float, rounds=60, reqs=3, seed=0) -> tuple[float, bool]:
+    """Greedy decoding of ``reqs`` requests with the planner; returns (tau, outputs == target)."""
+    world = World(skill=skill, seed=seed)
+    planner = GraftPlanner(cfg, world.v, max_batch=reqs, max_slots=reqs)
+    rng = random.Random(seed + 1)
+    ctx = [[rng.randrange(world.v) for _ in range(3)] for _ in range(reqs)]
+    for r in range(reqs):   # prompt then the first target token (as after prefill)
+        ctx[r].append(world.next(ctx[r][-2], ctx[r][-1], len(ctx[r])))
+        planner.start_request(r, ctx[r])
+        planner.commits.record(torch.tensor([r]), torch.tensor([[ctx[r][-1]]]), torch.tensor([1]))
+    emitted = steps_ = 0
+    ok = True
+    for _ in range(rounds):
+        lists = [world.draft_lists(c[-2:], len(c), cfg.topk, cfg.depth) for c in ctx]
+        sc, tk, pl = (torch.cat([x[i] for x in lists]) for i in range(3))
+        draft = dense_draft_candidates(sc, tk, pl, cfg.topk, cfg.depth)
+        host = planner.host_candidates(list(range(reqs)))
+        roots = torch.tensor([c[-1] for c in ctx])
+        seq = torch.tensor([len(c) - 1 for c in ctx])
+        out = planner.build(draft, roots, host, torch.arange(reqs), seq, torch.zeros(reqs, dtype=torch.bool))
+        tree = out.tree
+        validate_parents(tree.parents)
+        assert not has_duplicate_siblings(tree.tokens, tree.parents).any()
+        # target argmax after every node: its path context
+        n = tree.tokens.shape[1]
+        target = torch.zeros(reqs, n, dtype=torch.int64)
+        for r in range(reqs):
+            toks, pars = tree.tokens[r].tolist(), tree.parents[r].tolist()
+            for i in range(n):
+                path, j = [], i
+                while j >= 0:
+                    path.append(toks[j])
+                    j = pars[j]
+                full = ctx[r][:-1] + path[::-1]
+                target[r, i] = world.next(full[-2], full[-1], len(full))
+        res = greedy_verify(tree.tokens, tree.parents, target, tree.source)
+        on_path = res.accept_index >= 0
+        on = torch.zeros(reqs, n, dtype=torch.bool)
+        on.scatter_(1, res.accept_index.clamp(min=0), on_path)
+        committed = torch.zeros(reqs, n, dtype=torch.int64)
+        lens = res.accept_length
+        topk_ids = target[:, :, None].expand(reqs, n, cfg.retrieval.successor_k).clone()
+        for r in range(reqs):
+            path = res.accept_index[r][res.accept_index[r] >= 0].tolist()
+            new = [int(tree.tokens[r, i]) for i in path[1:]] + [int(res.bonus[r])]
+            for t in new:   # lossless: the emitted tokens are the target's greedy continuation
+                ok &= t == world.next(ctx[r][-2], ctx[r][-1], len(ctx[r]))
+                ctx[r].append(t)
+            committed[r, : len(new)] = torch.tensor(new)
+            planner.extend(r, new)
+            emitted += len(new)
+            steps_ += 1
+        planner.observe(out, on, topk_ids, committed, lens, torch.arange(reqs))
+    return emitted / steps_, ok
+
+
+@pytest.mark.parametrize("skill", [0.3, 0.8])
+def test_simulated_graft_is_lossless_and_not_worse_than_its_parts(skill):
+    """Default config (no checkpoints, no tuning): tau(graft) >= max(draft-only, retrieval-only) - 3%."""
+    base = dict(num_draft_tokens=12, topk=3, depth=4)
+    taus = {}
+    for name, extra in {"graft": {}, "draft_only": {"retrieval": {"successor": False, "suffix": False}},
+                        "retrieval_only": {"draft_nodes": False}}.items():
+        tau, ok = simulate(GraftConfig(**base, **extra), skill, rounds=50)
+        assert ok, f"{name}: emitted tokens differ from the target's greedy continuation"
+        taus[name] = tau
+    assert taus["graft"] >= 0.97 * max(taus["draft_only"], taus["retrieval_only"]), taus
+    assert taus["graft"] > 1.0
