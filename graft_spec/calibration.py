@@ -16,8 +16,9 @@ Each candidate carries a *calibration bin*: a small integer computed from its fe
 | draft | node depth, cumulative draft probability q | q |
 | successor | template slot (= its rank path and depth) | product of rank priors |
 | suffix, corpus | depth, count-ratio path probability p, match length | p x 0.85**depth |
+| lookup | depth, match length (p = 1) | 0.85**depth |
 
-and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 2 x retrieval)`` bins in all
+and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 3 x retrieval)`` bins in all
 (a few thousand floats). The estimate of a bin is the posterior mean
 ``(hits + w * prior) / (trials + w)``. It is not forced to be monotone in the probability axis (a
 cumulative max would let the prior of a bin never tried override the data of its neighbour); a bin
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "NUM_MEMBERS", "MEMBER_NAMES",
+    "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "NUM_MEMBERS",
+    "MEMBER_NAMES",
     "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator",
 ]
 
@@ -47,8 +49,9 @@ MEMBER_DRAFT = 0      #: proposed by the draft model
 MEMBER_SUCCESSOR = 1  #: successor table (token recycling)
 MEMBER_SUFFIX = 2     #: per-request suffix index
 MEMBER_CORPUS = 3     #: shared corpus
-NUM_MEMBERS = 4
-MEMBER_NAMES = ("draft", "successor", "suffix", "corpus")
+MEMBER_LOOKUP = 4     #: prompt lookup in the slot's device history
+NUM_MEMBERS = 5
+MEMBER_NAMES = ("draft", "successor", "suffix", "corpus", "lookup")
 
 #: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
 LOGP_EDGES = (-0.1, -0.3, -0.6, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0, -14.0)
@@ -60,7 +63,7 @@ _RETRIEVAL_DECAY = 0.85
 
 
 def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
-    return torch.bucketize(x, edges, right=right)
+    return torch.bucketize(x.contiguous(), edges, right=right)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class BinLayout:
 
     @property
     def per_mode(self) -> int:
-        return self.draft_bins + self.template_size + 2 * self.retrieval_bins
+        return self.draft_bins + self.template_size + 3 * self.retrieval_bins
 
     @property
     def size(self) -> int:
@@ -106,8 +109,8 @@ class BinLayout:
 
     def offset(self, member: int) -> int:
         """First bin of a member source's block within one mode."""
-        return (0, self.draft_bins, self.draft_bins + self.template_size,
-                self.draft_bins + self.template_size + self.retrieval_bins)[member]
+        first = self.draft_bins + self.template_size
+        return (0, self.draft_bins, first, first + self.retrieval_bins, first + 2 * self.retrieval_bins)[member]
 
 
 class Calibrator:
@@ -138,6 +141,8 @@ class Calibrator:
         self.depth_edges = torch.tensor(DEPTH_EDGES, device=self.device)
         self.match_edges = torch.tensor(MATCH_EDGES, device=self.device)
         self.prior = self._prior(successor_prior.to(self.device)).contiguous()
+        self._retrieval_base = torch.tensor([layout.offset(m) if m >= MEMBER_SUFFIX else 0
+                                             for m in range(NUM_MEMBERS)], device=self.device)
         n = layout.size + 1
         self.hits = torch.zeros(n, device=self.device)
         self.trials = torch.zeros(n, device=self.device)
@@ -174,12 +179,13 @@ class Calibrator:
 
     def retrieval_bins(self, member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor,
                        match: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """Bins of suffix / corpus nodes (``member`` is MEMBER_SUFFIX or MEMBER_CORPUS per node).
-        All ``[B, M]`` except ``sampled`` ``bool[B]``. Returns ``int64[B, M]``."""
+        """Bins of suffix / corpus / lookup nodes (``member`` MEMBER_SUFFIX, MEMBER_CORPUS or
+        MEMBER_LOOKUP per node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
+        Returns ``int64[B, M]``."""
         lay = self.layout
         within = ((self.depth_bin(depth) * lay.num_q + self.q_bin(logp)) * lay.num_match
                   + self.match_bin(match))
-        base = torch.where(member == MEMBER_CORPUS, lay.offset(MEMBER_CORPUS), lay.offset(MEMBER_SUFFIX))
+        base = self._retrieval_base[member.clamp(MEMBER_SUFFIX, NUM_MEMBERS - 1)]
         return base + within + self._mode_base(sampled)[:, None]
 
     # ------------------------------------------------------------------ priors / estimates
@@ -193,7 +199,7 @@ class Calibrator:
                 ).expand(lay.num_depth, lay.num_q, lay.num_match).reshape(-1)
         succ = torch.zeros(lay.template_size, device=self.device)
         succ[: successor_prior.numel()] = successor_prior.float()[: lay.template_size]
-        mode = torch.cat([draft, succ, retr, retr])
+        mode = torch.cat([draft, succ, retr, retr, retr])
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
     def estimates(self) -> torch.Tensor:

@@ -97,6 +97,11 @@ class RetrievalConfig(BaseModel):
     caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
     ``max_candidates`` slots per request in the host candidate buffer.
 
+    Lookup (device): the last ``history_len`` committed tokens of every request stay on the
+    device; the context's tail (up to ``lookup_max_match`` tokens) is matched within them and the
+    continuation proposed as a chain of up to N - 1 tokens (loops wrap around), with no lag behind
+    the device (retrieval/lookup.py). The same window re-anchors the host proposals.
+
     Corpus: shared counting trie loaded from ``corpus_path`` (JSON/JSONL token-id lists),
     capped at ``corpus_max_mb`` megabytes of index.
     """
@@ -119,6 +124,11 @@ class RetrievalConfig(BaseModel):
     corpus: bool = False
     corpus_path: Optional[str] = None
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
+
+    lookup: bool = True
+    lookup_max_match: int = Field(default=8, ge=1, le=64)
+    history_len: int = Field(default=256, ge=16, le=65536,
+                             description="committed tokens kept per slot on the device (lookup, re-anchoring)")
 
     max_candidates: int = Field(default=64, ge=1, le=1024,
                                 description="successor template slots (at most N - 1) and host "

@@ -14,7 +14,7 @@ Per decode round (paper Algorithm 1/2), host work first, device work after:
 plus ``start_request`` with the prompt and ``stop_request`` when a request finishes or is aborted.
 The host may lag the device by a round (overlap scheduler): proposals are anchored at the context
 the host knows, and the step re-anchors them on the device (step.py). ``observe`` only touches
-device state (calibration counts, successor table, commit log).
+device state (calibration counts, successor table, token history).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from .retrieval.buffer import HostCandidateBuffer, HostCandidates
 from .retrieval.corpus import CorpusIndex
 from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
-from .step import CommitLog, DraftCandidates, GraftStep, StepOutput
+from .history import TokenHistory
+from .step import DraftCandidates, GraftStep, StepOutput
 from .tree import SOURCE_PADDING, DraftTree, node_depths, path_min
 
 __all__ = ["GraftPlanner", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens"]
@@ -94,7 +95,7 @@ class GraftPlanner:
         vocab_size: target vocabulary size V (successor table rows).
         device: the engine's device (step, successor table, calibrator, commit log).
         max_batch: largest batch (host candidate buffer rows; grows on demand).
-        max_slots: engine slots for the commit log (SGLang: request-pool size).
+        max_slots: engine slots of the token history (SGLang: request-pool size; grows on demand).
         corpus: prebuilt `CorpusIndex` (overrides ``retrieval.corpus_path``).
     """
 
@@ -115,7 +116,7 @@ class GraftPlanner:
         self.retriever = Retriever.from_config(config, corpus)
         width = r.max_candidates if self.retriever.sources else 0
         self.buffer = HostCandidateBuffer(max_batch, width, self.device)
-        self.commits = CommitLog(max_slots, n, self.device)
+        self.history = TokenHistory(max_slots, r.history_len, self.device)
         self.step = GraftStep(config, self.calibrator, self.successor, self.device)
         self._seen: dict[Hashable, int] = {}
 
@@ -170,28 +171,28 @@ class GraftPlanner:
 
         Args:
             draft: `DraftCandidates` ``[B, S]``.
-            roots: ``int64[B]``; slot_ids: ``int64[B]`` engine slots (commit log rows);
+            roots: ``int64[B]``; slot_ids: ``int64[B]`` engine slots (token history rows);
             seq_lens: ``int64[B]`` committed tokens before the root; sampled: ``bool[B]``.
             host: `host_candidates` of the same rows.
         Returns:
             `StepOutput` ``[B, N]``.
         """
-        prev_tokens, prev_len = self.commits.gather(slot_ids)
-        return self.step(draft, roots, host, prev_tokens, prev_len, seq_lens, sampled,
-                         self.calibrator.estimates())
+        hist, count = self.history.gather(slot_ids)
+        return self.step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates())
 
     def stop_gate(self, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
                   seq_lens: torch.Tensor, sampled: torch.Tensor) -> ExpectedGainGate:
         """An `ExpectedGainGate` for this round's eager drafting (gate.py); built before drafting
         from the same inputs as `build`."""
         est = self.calibrator.estimates()
-        prev_tokens, prev_len = self.commits.gather(slot_ids)
-        floor = self.step.retrieval_floor(roots, host, prev_tokens, prev_len, seq_lens, sampled, est)
+        hist, count = self.history.gather(slot_ids)
+        floor = self.step.retrieval_floor(roots, host, hist, count, seq_lens, sampled, est)
         return ExpectedGainGate(self.calibrator, draft_bounds(self.calibrator, est), floor, sampled)
 
     def observe(self, out: StepOutput, on_path: torch.Tensor, target_topk: Optional[torch.Tensor],
                 committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
-        """Device bookkeeping of a verified round (no host read).
+        """Device bookkeeping of a verified round (no host read): calibration counts, successor
+        table, and the committed tokens appended to the slots' history.
 
         Args:
             out: the round's `StepOutput`.
@@ -209,7 +210,7 @@ class GraftPlanner:
         if self.successor is not None and target_topk is not None:
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),
                                   tree.source != SOURCE_PADDING)
-        self.commits.record(slot_ids, committed, accept_len)
+        self.history.append(slot_ids, committed, accept_len)
         # accepted nodes in path order = in index order (a path's nodes have increasing indices)
         n = tree.tokens.shape[1]
         idx = torch.arange(n, device=on_path.device)

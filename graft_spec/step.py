@@ -3,7 +3,8 @@
 `GraftStep.__call__` turns one decode round's inputs into the verify input of the hybrid tree:
 
     draft candidates [B, S]  --calibrated rerank-->  N draft nodes  --+
-    root tokens [B] --successor table--> T template nodes ------------+--merge_select--> tree [B, N]
+    root tokens [B] --successor table--> T template nodes ------------+
+    slot history [B, L] --lookup--> N - 1 chain nodes ----------------+--merge_select--> tree [B, N]
     host buffer [B, M] --re-anchor--> M host nodes -------------------+        |
                                                                       layout: positions, mask, links
 
@@ -14,9 +15,10 @@ draft nodes always in, pruned ones refill what retrieval leaves).
 
 Host proposals are anchored at the context the host knew (``anchor_len`` tokens). The device knows
 ``seq_len + 1`` tokens (committed + root). Under the overlap scheduler the host lags one round, so
-the step *re-anchors* each proposal on the tokens committed since (`reanchor`): a proposed path
-whose first ``gap`` tokens equal them continues under the new root, shortened by ``gap``; every
-other path is dropped. Without overlap ``gap`` is 0 and nothing changes.
+the step *re-anchors* each proposal on the tokens committed since (`reanchor`, read from the slot's
+device history): a proposed path whose first ``gap`` tokens equal them continues under the new root,
+shortened by ``gap``; every other path is dropped. Without overlap ``gap`` is 0 and nothing
+changes. The lookup source (retrieval/lookup.py) reads the same history and has no lag at all.
 
 No ``.item()``, ``.tolist()``, host copies, data-dependent Python control flow or data-dependent
 shapes: the same code runs eagerly on CPU and accelerators, on ``meta`` tensors and under
@@ -31,17 +33,18 @@ from typing import Optional
 
 import torch
 
-from .calibration import MEMBER_CORPUS, MEMBER_DRAFT, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
+from .calibration import MEMBER_CORPUS, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .prune import PruneStages, prune
 from .retrieval.buffer import HostCandidates
+from .retrieval.lookup import lookup_propose
 from .retrieval.successor import SuccessorTable
 from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, sibling_links,
                    top_mask)
 
-__all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "CommitLog", "StepOutput",
+__all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
 
 
@@ -99,72 +102,35 @@ def tree_draft_candidates(tree: DraftTree) -> DraftCandidates:
                            node_depths(tree.parents)[:, 1:])
 
 
-class CommitLog:
-    """The tokens each engine slot committed in its last verify round, on the device.
-
-    The graft step reads them to re-anchor host proposals made before that round (overlap
-    scheduler). Rows are engine slots (SGLang: ``req_pool_indices``).
-
-    Args:
-        slots: number of slots; width: L, the most tokens one round commits (N).
-        device: where it lives.
-    """
-
-    def __init__(self, slots: int, width: int, device: torch.device | str = "cpu"):
-        self.tokens = torch.zeros(max(1, slots), width, dtype=torch.int64, device=device)
-        self.lens = torch.zeros(max(1, slots), dtype=torch.int64, device=device)
-
-    def ensure(self, slots: int) -> None:
-        """Grow to at least ``slots`` rows (a host-side size check; grows once, at start-up)."""
-        if slots > self.tokens.shape[0]:
-            grow = slots - self.tokens.shape[0]
-            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(grow, self.tokens.shape[1])])
-            self.lens = torch.cat([self.lens, self.lens.new_zeros(grow)])
-
-    def record(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
-        """Store the committed tokens ``[B, <= L]`` (first ``lens[b]`` valid) of slots ``[B]``."""
-        w = min(tokens.shape[1], self.tokens.shape[1])
-        rows = torch.zeros(tokens.shape[0], self.tokens.shape[1], dtype=torch.int64, device=self.tokens.device)
-        rows[:, :w] = tokens[:, :w].to(torch.int64)
-        ids = slot_ids.to(torch.int64)
-        self.tokens.index_copy_(0, ids, rows)
-        self.lens.index_copy_(0, ids, lens.to(torch.int64).clamp(max=self.tokens.shape[1]))
-
-    def gather(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens int64[B, L], lens int64[B])`` of the given slots."""
-        ids = slot_ids.to(torch.int64)
-        return self.tokens.index_select(0, ids), self.lens.index_select(0, ids)
-
-
-def reanchor(host: HostCandidates, prev_tokens: torch.Tensor, prev_len: torch.Tensor, seq_lens: torch.Tensor
+def reanchor(host: HostCandidates, hist: torch.Tensor, count: torch.Tensor, seq_lens: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Move host proposals from the host's anchor to the device's root.
 
     ``gap = seq_len + 1 - anchor_len`` tokens were committed after the host's context; they are
-    the last ``gap`` of ``prev_tokens`` (the previous round's commits; the last one is the root). A
-    candidate at depth d (below the anchor) survives when d > gap and its first ``gap`` path tokens
-    equal them; it then sits at depth d - gap under the root, its path probability divided by that
-    of its consumed prefix and its match length grown by ``gap``. Rows with ``gap < 0`` or
-    ``gap > prev_len`` (the host is stale beyond one round, or ahead) lose every candidate.
+    the last ``gap`` tokens of the slot's device history (the last one is the root). A candidate at
+    depth d (below the anchor) survives when d > gap and its first ``gap`` path tokens equal them; it
+    then sits at depth d - gap under the root, its path probability divided by that of its consumed
+    prefix and its match length grown by ``gap``. Rows with ``gap < 0`` (the host is ahead) or a gap
+    longer than the history holds lose every candidate.
 
     Args:
         host: `HostCandidates` ``[B, M]``.
-        prev_tokens: ``int64[B, L]``; prev_len: ``int64[B]``: the previous round's commits.
+        hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' right-aligned token windows
+            (history.py), ending with the root.
         seq_lens: ``int64[B]`` committed tokens before the root.
     Returns:
         ``(parents, depth, logp, match, valid)`` all ``[B, M]``: parents -1 = child of the root.
     """
     b, m = host.tokens.shape
     dev = host.tokens.device
-    lw = prev_tokens.shape[1]
+    length = hist.shape[1]
     par = host.parents
     full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
     depth = node_depths(full)[:, 1:]                                           # 1-based below the anchor
     gap = seq_lens.to(torch.int64) + 1 - host.anchor_len
-    ok_gap = (gap >= 0) & (gap <= prev_len)
-    j = (depth - 1).clamp(0, lw - 1)
-    src = (prev_len - gap)[:, None] + j
-    want = prev_tokens.gather(1, src.clamp(0, lw - 1))
+    ok_gap = (gap >= 0) & (gap <= count) & (gap <= length)
+    src = (length - gap)[:, None] + depth - 1                                  # history index of depth d
+    want = hist.gather(1, src.clamp(0, length - 1))
     consumed = depth <= gap[:, None]
     match_here = torch.where(consumed, host.tokens == want, True)
     one = torch.ones(b, 1, device=dev)
@@ -299,15 +265,27 @@ class GraftStep:
         parents = succ.t_parent.expand(b, t)
         return tokens, parents, est, valid, torch.where(valid, bins, -1)
 
-    def _host_part(self, host: HostCandidates, prev_tokens: torch.Tensor, prev_len: torch.Tensor,
+    def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+        b = hist.shape[0]
+        d = self.n - 1
+        tokens, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, d)
+        member = torch.full_like(tokens, MEMBER_LOOKUP)
+        depth = torch.arange(1, d + 1, device=hist.device).expand(b, d)
+        bins = self.calibrator.retrieval_bins(member, depth, torch.zeros(b, d, device=hist.device),
+                                              match[:, None].expand(b, d), sampled)
+        est = torch.where(valid, est_table[bins], 0.0)
+        parents = torch.arange(-1, d - 1, device=hist.device).expand(b, d)
+        return tokens, parents, est, valid, torch.where(valid, bins, -1), member
+
+    def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
-        parents, depth, logp, match, valid = reanchor(host, prev_tokens, prev_len, seq_lens)
+        parents, depth, logp, match, valid = reanchor(host, hist, count, seq_lens)
         bins = self.calibrator.retrieval_bins(host.member, depth.clamp(min=1), logp, match, sampled)
         est = torch.where(valid, est_table[bins], 0.0)
         return host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member
 
-    def retrieval_floor(self, roots: torch.Tensor, host: HostCandidates, prev_tokens: torch.Tensor,
-                        prev_len: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
+    def retrieval_floor(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor,
+                        count: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
                         est_table: torch.Tensor) -> torch.Tensor:
         """``float32[B]``: a lower bound of the round's selection threshold from the retrieved
         candidates alone (max over sources of their (N-1)-th best estimate; gate.py). +inf when draft
@@ -321,19 +299,24 @@ class GraftStep:
             est.append(e)
             valid.append(v)
             group.append(torch.zeros_like(e, dtype=torch.int64))
+        if self.config.retrieval.lookup:
+            _, _, e, v, _, _ = self._lookup_part(hist, count, sampled, est_table)
+            est.append(e)
+            valid.append(v)
+            group.append(torch.full_like(e, 3, dtype=torch.int64))
         if host.width > 0:
-            _, _, e, v, _, member = self._host_part(host, prev_tokens, prev_len, seq_lens, sampled, est_table)
+            _, _, e, v, _, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             est.append(e)
             valid.append(v)
             group.append(1 + (member == MEMBER_CORPUS).to(torch.int64))
-        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), 3, self.n - 1)
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), 4, self.n - 1)
         if not self.config.draft_nodes:
             floor = torch.full_like(floor, math.inf)
         return floor
 
     # ------------------------------------------------------------------ the step
     def __call__(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
-                 prev_tokens: torch.Tensor, prev_len: torch.Tensor, seq_lens: torch.Tensor,
+                 hist: torch.Tensor, count: torch.Tensor, seq_lens: torch.Tensor,
                  sampled: torch.Tensor, est_table: torch.Tensor) -> StepOutput:
         """Build one round's hybrid tree and its verify layout.
 
@@ -341,7 +324,8 @@ class GraftStep:
             draft: `DraftCandidates` ``[B, S]``.
             roots: ``int64[B]`` root tokens (the previous round's bonus tokens).
             host: `HostCandidates` ``[B, M]`` (M may be 0).
-            prev_tokens, prev_len: ``[B, L]`` / ``[B]`` the previous round's commits (`CommitLog`).
+            hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' token windows (history.py),
+                ending with the root.
             seq_lens: ``int64[B]`` committed tokens before the root.
             sampled: ``bool[B]`` rows verified by sampling (their own calibration bins).
             est_table: ``Calibrator.estimates()``.
@@ -374,9 +358,10 @@ class GraftStep:
         if self.successor is not None:
             tok, par, est, valid, bins = self._successor_part(roots, sampled, est_table)
             add(tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR))
+        if self.config.retrieval.lookup:
+            add(*self._lookup_part(hist, count, sampled, est_table))
         if host.width > 0:
-            tok, par, est, valid, bins, member = self._host_part(host, prev_tokens, prev_len, seq_lens,
-                                                                 sampled, est_table)
+            tok, par, est, valid, bins, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             add(tok, par, est, valid, bins, member)
 
         tree, member_bins = merge_select(

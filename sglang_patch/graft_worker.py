@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.managers.auxiliary_output import append_auxiliary_output
@@ -281,7 +282,7 @@ class GraftWorker(EAGLEWorkerV2):
             raise RuntimeError(f"graft: resolved tree shape {shape} differs from the graft config")
         vocab = target_worker.model_config.vocab_size
         max_bs = resolving_view(server_args).max_running_requests or 1
-        # the commit log's rows are request-pool slots; the pool is allocated after this constructor
+        # the token history's rows are request-pool slots; the pool is allocated after this constructor
         self.planner = GraftPlanner(self.config, vocab_size=vocab, device=self.device, max_batch=max_bs)
         self.requests = GraftRequestTracker(self.planner)
         #: server-wide statistics (``/server_info``, and ``/metrics`` with ``--enable-metrics``)
@@ -291,11 +292,9 @@ class GraftWorker(EAGLEWorkerV2):
             self._draft_worker.graft = self
         logger.info("graft worker ready: %s", self.config.model_dump_json())
 
-    def _slots(self):
-        """The batch's request-pool slots (commit-log rows), sizing the log on first use."""
-        pool = self.target_worker.model_runner.req_to_token_pool
-        self.planner.commits.ensure(pool.req_to_token.shape[0])
-        return pool
+    def _slots(self) -> None:
+        """Size the token history to the request pool (its rows are ``req_pool_indices``) on first use."""
+        self.planner.history.ensure(self.target_worker.model_runner.req_to_token_pool.req_to_token.shape[0])
 
     # ------------------------------------------------------------------ per round (host side)
     def host_candidates(self, batch) -> HostCandidates:
@@ -337,15 +336,25 @@ class GraftWorker(EAGLEWorkerV2):
 
     # ------------------------------------------------------------------ prefill
     def _forward_prefill_batch(self, batch, on_publish=None, pp_proxy_tensors=None, coordination_plan=None):
-        """Target prefill + draft extend, then (device only) the first token into the commit log and
-        the prompt bigrams into the successor table (warm start)."""
+        """Target prefill + draft extend, then each request's context and first token into its
+        device token history, and the prompt bigrams into the successor table (warm start)."""
         result = super()._forward_prefill_batch(batch, on_publish, pp_proxy_tensors, coordination_plan)
         if batch.forward_mode.is_idle() or not isinstance(result.next_token_ids, torch.Tensor):
             return result
         first = result.next_token_ids.reshape(-1).to(torch.int64)
         self._slots()
         slots = batch.req_pool_indices
-        self.planner.commits.record(slots, first[:, None], torch.ones_like(first))
+        # each request's context (host lists; prefill only, not the decode path), then its first token
+        window = self.planner.history.length
+        ctx = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]
+        rows = np.zeros((len(ctx), window), dtype=np.int64)
+        for i, c in enumerate(ctx):
+            tail = c[-window:]
+            rows[i, : len(tail)] = tail
+        lens = torch.tensor([min(len(c), window) for c in ctx], dtype=torch.int64)
+        hist = self.planner.history
+        hist.reset(slots, torch.from_numpy(rows).to(self.device, non_blocking=True), lens.to(self.device))
+        hist.append(slots, first[:, None], torch.ones_like(first))
         ids = batch.input_ids
         lens = getattr(batch, "extend_lens", None)
         if self.planner.successor is not None and ids is not None and lens and ids.numel() > 1:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graft_spec.calibration import MEMBER_SUFFIX
+from graft_spec.calibration import MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
@@ -84,7 +84,7 @@ def test_step_runs_on_meta_tensors(b, n):
     planner = GraftPlanner(cfg, 151936, device="meta", max_slots=64)
     out = planner.build(*dense_inputs(b, topk, steps, 151936, 64, "meta"))
     assert out.tree.tokens.shape == (b, n) and out.mask.shape == (b, n, n)
-    assert out.member_bins.shape == (b, n, 4) and out.positions.device.type == "meta"
+    assert out.member_bins.shape == (b, n, NUM_MEMBERS) and out.positions.device.type == "meta"
 
 
 @pytest.mark.parametrize("n", [24, 60])
@@ -133,31 +133,32 @@ def test_reanchor_moves_matching_paths_under_the_new_root():
     match = torch.full((1, 7), 3)
     host = HostCandidates(tok, par, logp, member, match, torch.tensor([10]))
     # the device committed 8, 9 since (root = 9): seq_len + 1 = 12 = 10 + gap 2
-    prev = torch.tensor([[8, 9, 0, 0]])
-    new_par, depth, lp, mt, valid = reanchor(host, prev, torch.tensor([2]), torch.tensor([11]))
+    hist = torch.tensor([[5, 6, 7, 8, 9]])       # right-aligned window, all 5 valid
+    new_par, depth, lp, mt, valid = reanchor(host, hist, torch.tensor([5]), torch.tensor([11]))
     assert valid[0].tolist() == [False, False, True, True, False, False, False]
     assert new_par[0, 2] == -1 and new_par[0, 3] == 2 and depth[0, 2:4].tolist() == [1, 2]
     assert lp[0, 2:4].exp().tolist() == pytest.approx([0.6 / 0.8, 0.5 / 0.8])
     assert mt[0, 2:4].tolist() == [5, 5]
     # no lag: everything stays, under the root
     host0 = HostCandidates(tok, par, logp, member, match, torch.tensor([12]))
-    new_par, depth, lp, _, valid = reanchor(host0, prev, torch.tensor([2]), torch.tensor([11]))
+    new_par, depth, lp, _, valid = reanchor(host0, hist, torch.tensor([5]), torch.tensor([11]))
     assert valid.all() and torch.equal(new_par, par) and torch.allclose(lp, logp)
-    # the host is stale beyond the last round (gap 3 > 2 committed): nothing survives
+    # a gap the history does not hold (only 2 valid tokens): nothing survives
     host3 = HostCandidates(tok, par, logp, member, match, torch.tensor([9]))
-    assert not reanchor(host3, prev, torch.tensor([2]), torch.tensor([11]))[4].any()
+    assert not reanchor(host3, hist, torch.tensor([2]), torch.tensor([11]))[4].any()
 
 
 def test_planner_grafts_a_lagging_host_proposal_shifted():
     """End to end through the planner: a suffix continuation proposed one round late still lands
     under the current root (the overlap scheduler's case)."""
     cfg = GraftConfig(num_draft_tokens=8, topk=2, depth=3, draft_nodes=False,
-                      retrieval={"successor": False, "max_candidates": 16})
+                      retrieval={"successor": False, "lookup": False, "max_candidates": 16})
     planner = GraftPlanner(cfg, 100, max_slots=4)
     planner.start_request("r", [1, 2, 3, 4, 5, 6, 1, 2])        # host knows ... 1 2
     host = planner.host_candidates(["r"])
     assert host.anchor_len.tolist() == [8]
-    planner.commits.record(torch.tensor([2]), torch.tensor([[3, 4]]), torch.tensor([2]))  # device: 3 4
+    ctx = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4]])         # the device committed 3 4 since
+    planner.history.reset(torch.tensor([2]), ctx, torch.tensor([10]))
     args = dense_inputs(1, 2, 3, 100, 0, "cpu", torch.Generator().manual_seed(0))
     out = planner.build(args[0], torch.tensor([4]), host, torch.tensor([2]), torch.tensor([9]),
                         torch.tensor([False]))
@@ -179,7 +180,7 @@ def test_calibration_settles_on_observed_rates():
     bin1 = int(d1)
     for _ in range(300):
         est = cal.estimates()
-        bins = torch.full((b, n, 4), -1)
+        bins = torch.full((b, n, NUM_MEMBERS), -1)
         bins[:, 1, 0] = bin1
         on_path = torch.zeros(b, n, dtype=torch.bool)
         on_path[:, 0] = True
@@ -207,7 +208,7 @@ def test_observe_updates_device_state_and_reports_path_sources():
     stats = planner.observe(out, on_path, topk, committed, torch.tensor([2, 1]), torch.tensor([1, 3]))
     srcs = stats.sources
     assert srcs[0, 0].item() == out.tree.source[0, 1].item() and (srcs[0, 1:] == -1).all() and (srcs[1] == -1).all()
-    assert planner.commits.lens[[1, 3]].tolist() == [2, 1] and planner.commits.tokens[1, :2].tolist()[1] == 7
+    assert planner.history.count[[1, 3]].tolist() == [2, 1] and planner.history.tokens[1, -2:].tolist()[1] == 7
     assert planner.calibrator.member_stats[0, 0] > 0   # draft nodes were verified
     assert torch.equal(stats.members, planner.calibrator.member_stats)   # first round: increments = totals
     assert stats.depths[1, 0] >= 1 and stats.depths[0].sum() == 0
@@ -309,7 +310,7 @@ def simulate(cfg: GraftConfig, skill: float, rounds=60, reqs=3, seed=0) -> tuple
     for r in range(reqs):   # prompt then the first target token (as after prefill)
         ctx[r].append(world.next(ctx[r][-2], ctx[r][-1], len(ctx[r])))
         planner.start_request(r, ctx[r])
-        planner.commits.record(torch.tensor([r]), torch.tensor([[ctx[r][-1]]]), torch.tensor([1]))
+        planner.history.reset(torch.tensor([r]), torch.tensor([ctx[r]]), torch.tensor([len(ctx[r])]))
     emitted = steps_ = 0
     ok = True
     for _ in range(rounds):
@@ -361,7 +362,7 @@ def test_simulated_graft_is_lossless_and_not_worse_than_its_parts(skill):
     """Default config (no checkpoints, no tuning): tau(graft) >= max(draft-only, retrieval-only) - 3%."""
     base = dict(num_draft_tokens=12, topk=3, depth=4)
     taus = {}
-    for name, extra in {"graft": {}, "draft_only": {"retrieval": {"successor": False, "suffix": False}},
+    for name, extra in {"graft": {}, "draft_only": {"retrieval": {"successor": False, "suffix": False, "lookup": False}},
                         "retrieval_only": {"draft_nodes": False}}.items():
         tau, ok = simulate(GraftConfig(**base, **extra), skill, rounds=50)
         assert ok, f"{name}: emitted tokens differ from the target's greedy continuation"

@@ -343,7 +343,7 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
 
     bs, n, vocab = 2, 4, 64
     planner = _planner(successor_k=3)
-    planner.commits.ensure(8)
+    planner.history.ensure(8)
     worker = object.__new__(GraftWorker)
     worker.planner, worker.requests, worker.stats = planner, GraftRequestTracker(planner), GraftStats()
     reqs = [_req("x", [1, 2], [10]), _req("y", [3], [20])]
@@ -370,7 +370,7 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     table = planner.successor.table
     assert table[11, 0].item() == 31 and table[22, 0].item() == 37  # non-padding rows updated
     assert table[0, 0].item() != 36  # the padding node's row (token 0) was not overwritten
-    assert planner.commits.tokens[3, :3].tolist() == [12, 13, 44] and planner.commits.lens[[3, 5]].tolist() == [3, 1]
+    assert planner.history.tokens[3, -3:].tolist() == [12, 13, 44] and planner.history.count[[3, 5]].tolist() == [3, 1]
     assert planner.calibrator.trials[5].item() == 5 and planner.calibrator.hits[5].item() == 2
     host = result.logits_output.auxiliary_device_output.copy_to_host(lambda t: t.clone())
     host.consume(batch, [_commit(1, [12, 13, 44]), _commit(1, [55])])

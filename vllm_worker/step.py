@@ -119,9 +119,17 @@ class GraftStep:
         ids = torch.stack([lv[1][:b] for lv in levels], dim=1).cpu()      # [B, K, k]
         draft = spine_tree(root_tokens[:b].to("cpu", torch.int64), logp, ids)
         host = self.planner.host_candidates(list(req_ids))
-        self.planner.commits.ensure(b)
+        # rows are batch positions here: the device history is rewritten from the input batch
+        n_tok = np.asarray(num_tokens[:b], dtype=np.int64)
+        hist = self.planner.history
+        hist.ensure(b)
+        window = np.zeros((b, hist.length), dtype=np.int64)
+        for i in range(b):
+            tail = token_ids[i, max(0, n_tok[i] - hist.length):n_tok[i]]
+            window[i, : len(tail)] = tail
+        hist.reset(torch.arange(b), torch.from_numpy(window), torch.from_numpy(np.minimum(n_tok, hist.length)))
         # the tracker fed every committed token (root included) to the host sources: no lag
-        seq = torch.as_tensor(np.asarray(num_tokens[:b], dtype=np.int64)) - 1
+        seq = torch.from_numpy(n_tok) - 1
         out = self.planner.build(tree_draft_candidates(draft), draft.tokens[:, 0], host, torch.arange(b), seq,
                                  torch.zeros(b, dtype=torch.bool))
         tokens, length, expected = best_chain(out.tree, max_len)

@@ -193,7 +193,7 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
             _eagle_build(sl, tl, pl, roots, seq, n, topk, depth, ce)
         if compiled is not None:
             est = planner.calibrator.estimates()
-            prev = planner.commits.gather(slots)
+            prev = planner.history.gather(slots)
             args = (dense_draft_candidates(scores, tokens, plist, topk, depth), roots, host, *prev, seq, sampled, est)
             if it == 0:
                 from torch._inductor import metrics
