@@ -9,41 +9,59 @@ import pytest
 from sglang_patch.bench.client import RequestResult, RunResult
 from sglang_patch.bench.methods import build_methods, stage_checkpoints
 from sglang_patch.bench.prompts import load_prompts
-from sglang_patch.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_plots
-from graft_spec.config import GraftConfig
+from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
+                                       merge_calibration, summarize, text_quality, write_plots)
 
-ALL = ["nospec", "eagle3_dense", "eagle3", "pruned_only", "retrieval_only", "graft"]
+ALL = ["nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft", "graft_paper"]
 
 
-def test_methods_expand_and_graft_configs_validate(tmp_path):
-    methods = build_methods(ALL, [16, 24, 40, 60], 60, 7, 10, "draft", None)
+def test_methods_expand_to_valid_server_args(sglang_plugins_for_bench):
+    methods = build_methods(ALL, [24, 60], 7, 10, "draft")
     labels = [m.label for m in methods]
-    assert labels[0] == "nospec" and "eagle3_dense" in labels and "eagle3_n60" not in labels
-    assert len(labels) == len(set(labels)) == 2 + 3 + 3 * 4
+    assert labels[0] == "nospec" and len(labels) == len(set(labels)) == 1 + 6 * 2
     for m in methods:
-        args = m.server_args(tmp_path)
+        args = m.server_args()
         if m.method == "nospec":
             assert args == []
             continue
         assert args[args.index("--speculative-num-draft-tokens") + 1] == str(m.num_draft_tokens)
-        if m.method in ("graft", "pruned_only", "retrieval_only"):
-            cfg = json.loads(open(args[args.index("--graft-config") + 1]).read())
-            GraftConfig.model_validate({**cfg, "num_draft_tokens": m.num_draft_tokens, "topk": 10, "depth": 7})
+        if m.method in ("graft", "pruned_only", "retrieval_only", "graft_paper"):
+            # the real SGLang parser accepts them and graft's validator builds the config
+            from sglang_patch.args import effective_graft_config
+
+            sa = sglang_plugins_for_bench(["--model-path", "/x", *args])
+            cfg = effective_graft_config(sa, environ={})
+            assert cfg.num_draft_tokens == m.num_draft_tokens
+            assert cfg.draft_nodes == (m.method != "retrieval_only")
+            assert (not cfg.checkpoints) == (m.method != "graft_paper")
             if m.method == "pruned_only":
-                assert not any(cfg["retrieval"][s] for s in ("successor", "suffix", "corpus"))
+                assert not any(getattr(cfg.retrieval, s) for s in ("successor", "suffix", "corpus", "lookup"))
+
+
+@pytest.fixture(scope="module")
+def sglang_plugins_for_bench():
+    pytest.importorskip("sglang")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args
 
 
 @pytest.mark.parametrize("n", [8, 16, 24, 60])
 def test_stage_checkpoints_increasing_and_below_budget(n):
-    st = stage_checkpoints(n, 7, "graft")
+    st = stage_checkpoints(n, 7)
     keeps = [s["keep"] for s in st]
     assert keeps == sorted(set(keeps)) and all(0 < k < n for k in keeps)
     assert [s["depth"] for s in st] == sorted({s["depth"] for s in st})
 
 
-def test_unknown_method_rejected():
+def test_unknown_method_and_unfillable_budget_rejected():
     with pytest.raises(ValueError, match="unknown methods"):
-        build_methods(["eagle9"], [24], 60, 7, 10, "d", None)
+        build_methods(["eagle9"], [24], 7, 10, "d")
+    with pytest.raises(ValueError, match="exceed the draft tree"):
+        build_methods(["graft"], [60], 2, 4, "d")
 
 
 def _run(hists, tokens, steps, src=""):
@@ -58,15 +76,37 @@ def test_summarize_tau_histogram_share_and_ratios(tmp_path):
     assert spec["grafted_accept_share"] == pytest.approx(2 / 3)
     base = summarize(_run([[], []], [9, 9], [0, 0]), 1)
     assert base["tau"] == 1.0 and base["grafted_accept_share"] is None
-    rows = [{"label": "nospec", "method": "nospec", "num_draft_tokens": None, "concurrency": 1, **base},
-            {"label": "eagle3_dense", "method": "eagle3", "num_draft_tokens": 60, "concurrency": 1, **spec},
-            {"label": "graft_n24", "method": "graft", "num_draft_tokens": 24, "concurrency": 1, **spec}]
+    slower = {**spec, "tau": spec["tau"] / 2, "tokens_per_s": spec["tokens_per_s"] / 4}
+    g = {"prompt_set": "code", "mode": "greedy", "concurrency": 1}
+    rows = [{"label": "nospec", "method": "nospec", "num_draft_tokens": None, **g, **base},
+            {"label": "eagle3_n24", "method": "eagle3", "num_draft_tokens": 24, **g, **slower},
+            {"label": "graft_n24", "method": "graft", "num_draft_tokens": 24, **g, **spec},
+            {"label": "graft_n24", "method": "graft", "num_draft_tokens": 24, **g, "mode": "sampled", **base}]
     add_ratios(rows)
     assert rows[2]["speedup_vs_nospec"] == pytest.approx(spec["tokens_per_s"] / base["tokens_per_s"])
-    assert rows[2]["speedup_vs_eagle3_dense"] == pytest.approx(1.0)
-    assert "graft_n24" in markdown_table(rows)
-    paths = write_plots(rows, tmp_path)
+    assert rows[2]["vs"] == {"eagle3": {"tau": pytest.approx(2.0), "tokens_per_s": pytest.approx(4.0)}}
+    assert rows[3]["vs"] == {} and rows[3]["speedup_vs_nospec"] is None   # other mode: no peers there
+    assert "eagle3 2.00" in markdown_table(rows)
+    paths = write_plots(rows, tmp_path, stem="t")
     assert all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in paths)
+
+
+def test_calibration_deltas_merge_and_text_quality():
+    before = {"calibration": {"draft": {"trials": 10, "estimated": 0.5, "observed": 0.4}}}
+    after = {"calibration": {"draft": {"trials": 30, "estimated": 0.4, "observed": 0.3}}}
+    d = calibration_delta(before, after)["draft"]
+    assert d["trials"] == 20 and d["estimated"] == pytest.approx((12 - 5) / 20) and d["observed"] == pytest.approx(0.25)
+    m = merge_calibration([calibration_delta(before, after), calibration_delta(before, before)])["draft"]
+    assert m["trials"] == 20 and m["observed"] == pytest.approx(0.25)
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(" " if i == 0 else "x" for i in ids)
+
+    q = text_quality([[1, 0, 1, 0, 1, 0, 1, 0], [1, 2, 3, 4, 5]], Tok())
+    # loop "x x x x": 4-grams (1,0,1,0) and (0,1,0,1) only -> 2 / 5; a novel text -> 2 / 2
+    assert q["distinct_4gram_ratio"] == pytest.approx((2 / 5 + 2 / 2) / 2)
+    assert q["non_whitespace_share"] == pytest.approx((0.5 + 1.0) / 2)
 
 
 def test_equal_outputs():

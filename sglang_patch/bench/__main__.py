@@ -1,27 +1,45 @@
-"""``python -m sglang_patch.bench``: no-spec vs EAGLE3 vs pruned-only vs retrieval-only vs Graft.
+"""``python -m sglang_patch.bench``: Graft against every peer at the same verify budget, on real servers.
 
-For every method and budget N one SGLang server runs at a time (2-core machines cannot hold more);
-each prompt set is sent at every concurrency; greedy outputs of every speculative server are
-compared with the no-speculation server's (a mismatch fails the run, exit code 1).
-Output: one JSON file, PNG plots next to it, and a markdown table on stdout.
+For every method and budget N (methods.py) one SGLang server runs at a time (2-core machines cannot
+hold more); every prompt set is sent in every mode at every concurrency:
+
+* ``greedy``: temperature 0, every output compared with the no-speculation server's (a mismatch
+  fails the run, exit code 1);
+* ``sampled``: temperature 0.8, top-p 0.95, one run per seed (``--seeds``; SGLang's
+  ``sampling_seed``), figures averaged over the seeds.
+
+Rows report tau (accepted tokens per verify step, bonus included), verified tokens per step,
+tokens/s and its ratios against no-spec and every peer at the same (set, mode, concurrency, N), the
+grafted share, and for graft servers the calibration of that run (estimated vs observed acceptance per
+source, from ``/server_info``). A text-quality line per prompt set (non-whitespace share and
+distinct-4-gram ratio of the no-spec completions, greedy and sampled) says when figures come from
+looping text. Output: one JSON file, PNG plots next to it, a markdown table on stdout.
+
+Example (the quick models, both prompt sets)::
+
+    python -m sglang_patch.bench --target models/quick/target --draft models/quick/draft \\
+        --topk 4 --depth 5 --budgets 24 60 --json bench_out/quick.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
+import httpx
 from tqdm import tqdm
 
 from sglang_patch.bench.client import run_prompts_sync, sampling_params
-from sglang_patch.bench.methods import STAGE_THRESHOLDS, MethodSpec, build_methods
+from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, build_methods
 from sglang_patch.bench.prompts import load_prompts
-from sglang_patch.bench.report import add_ratios, equal_outputs, markdown_table, summarize, write_json, write_plots
+from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
+                                       merge_calibration, summarize, text_quality, write_json, write_plots)
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
@@ -29,23 +47,20 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="models/default/target", help="target model directory")
     p.add_argument("--draft", default="models/default/draft", help="EAGLE-3 draft head directory")
-    p.add_argument("--prompts", nargs="+", default=["data/humaneval_dev.jsonl"],
-                   help="JSONL prompt files (lines with 'prompt' or 'turns')")
-    p.add_argument("--num-prompts", type=int, default=20, help="prompts taken from each file")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--methods", nargs="+",
-                   default=["nospec", "eagle3_dense", "eagle3", "pruned_only", "retrieval_only", "graft"])
-    p.add_argument("--budgets", type=int, nargs="+", default=[16, 24, 40, 60], help="verify budgets N")
-    p.add_argument("--dense-n", type=int, default=60, help="N of the EAGLE3-dense reference")
-    p.add_argument("--depth", type=int, default=7, help="draft steps of the dense reference")
-    p.add_argument("--topk", type=int, default=10, help="top-k of the dense reference")
-    p.add_argument("--thresholds", type=float, nargs=3, default=list(STAGE_THRESHOLDS),
-                   metavar=("T1", "T2", "T_LAST"),
-                   help="pruning thresholds at depths 1, 2 and depth-1 (default: %(default)s, the "
-                        "8B-head values; scripts/calibrate_checkpoints.py prints a model's own)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--graft-config", default=None, help="base GraftConfig file for the graft variants")
-    p.add_argument("--server-args", default="--dtype float32 --max-running-requests 16",
+    p.add_argument("--prompt-sets", nargs="+", default=["code=data/humaneval_dev.jsonl", "chat=data/mtbench_dev.jsonl"],
+                   help="NAME=JSONL (lines with 'prompt' or 'turns'); chat turns use the target's chat template")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts taken from each set")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "graft_paper"], choices=METHODS)
+    p.add_argument("--budgets", type=int, nargs="+", default=[24, 60], help="verify budgets N")
+    p.add_argument("--depth", type=int, default=7, help="draft steps (EAGLE-3 and graft)")
+    p.add_argument("--topk", type=int, default=10, help="draft top-k (EAGLE-3 and graft)")
+    p.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="sampling seeds (sampled mode)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    p.add_argument("--thresholds", type=float, nargs=3, default=list(STAGE_THRESHOLDS), metavar=("T1", "T2", "T3"),
+                   help="graft_paper checkpoint thresholds at depths 1, 2 and depth-1")
+    p.add_argument("--server-args", default="--dtype float32 --max-running-requests 32",
                    help="extra args for every server (one string; float32 keeps equality exact on CPU)")
     p.add_argument("--json", default="bench_out/bench.json", help="output JSON path (plots beside it)")
     return p.parse_args(argv)
@@ -60,18 +75,13 @@ def _render_chat(target: str):
         return tok.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
                                        add_generation_prompt=True)
 
-    return render
+    return render, tok
 
 
-def _draft_steps(url: str) -> Dict[str, int] | None:
-    """Graft worker's cumulative eager draft forwards {run, skipped} (``/server_info``), or None."""
-    import httpx
-
-    info = httpx.get(f"{url}/server_info", timeout=30).json()
-    stats = info["internal_states"][0].get("graft", {})  # sglang_patch.server_stats
-    worker = stats.get("worker", {})  # only graft servers have one
-    steps = worker.get("draft_steps")
-    return dict(steps) if steps is not None else None
+def _graft_state(url: str) -> Optional[Dict[str, Any]]:
+    """The graft worker's cumulative statistics (``/server_info``), or None for other servers."""
+    info = httpx.get(f"{url}/server_info", timeout=60).json()
+    return info["internal_states"][0].get("graft", {}).get("worker")
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -79,56 +89,85 @@ def main(argv: List[str] | None = None) -> int:
     from sglang_patch.launcher import SGLangServer
 
     a = _parse(sys.argv[1:] if argv is None else argv)
-    render = _render_chat(a.target)
-    prompts = [p for f in a.prompts for p in load_prompts(f, a.num_prompts, render)]
-    params = sampling_params(a.max_tokens)
-    methods: List[MethodSpec] = build_methods(a.methods, a.budgets, a.dense_n, a.depth, a.topk,
-                                              a.draft, a.graft_config, a.thresholds)
+    render, tok = _render_chat(a.target)
+    sets = {}
+    for spec in a.prompt_sets:
+        name, _, path = spec.partition("=")
+        sets[name] = load_prompts(path, a.num_prompts, render)
+    methods: List[MethodSpec] = build_methods(a.methods, a.budgets, a.depth, a.topk, a.draft, a.thresholds)
+    runs = [(s, m, c, seed) for s in sets for m in a.modes for c in a.concurrency
+            for seed in (a.seeds if m == "sampled" else [None])]
     out = Path(a.json)
     work = Path(tempfile.mkdtemp(prefix="graft_bench_"))
     rows: List[Dict[str, Any]] = []
-    reference: Dict[int, List[List[int]]] = {}
+    reference: Dict[str, List[List[int]]] = {}
+    quality: Dict[str, Dict[str, Any]] = {}
     mismatches: List[str] = []
-    total = len(methods) * len(a.concurrency)
-    bar = tqdm(total=total, desc="bench", unit="run")
-    for m in methods:
-        args = m.server_args(work) + (a.server_args.split() if a.server_args else [])
-        bar.set_postfix_str(f"{m.label}: starting server")
-        srv = SGLangServer(a.target, args, log_path=str(work / f"{m.label}.log"))
+    bar = tqdm(total=len(methods) * len(runs), desc="bench", unit="run")
+    for spec in methods:
+        args = spec.server_args() + (a.server_args.split() if a.server_args else [])
+        bar.set_postfix_str(f"{spec.label}: starting server")
+        srv = SGLangServer(a.target, args, log_path=str(work / f"{spec.label}.log"))
         t_start = time.perf_counter()
         with srv:
             startup = time.perf_counter() - t_start
-            run_prompts_sync(srv.url, prompts[:2], 1, params)  # warm-up
-            for c in a.concurrency:
-                bar.set_postfix_str(f"{m.label} c={c}")
-                before = _draft_steps(srv.url)
-                run = run_prompts_sync(srv.url, prompts, c, params)
-                after = _draft_steps(srv.url)
-                row = {"method": m.method, "label": m.label, "num_draft_tokens": m.num_draft_tokens,
-                       "concurrency": c, "startup_s": startup, **summarize(run, m.num_draft_tokens or 1)}
+            run_prompts_sync(srv.url, next(iter(sets.values()))[:2], 1, sampling_params(16))  # warm-up
+            per_mode: Dict[tuple, List[Dict[str, Any]]] = {}
+            for set_name, mode, c, seed in runs:
+                bar.set_postfix_str(f"{spec.label} {set_name} {mode} c={c}")
+                params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
+                if seed is not None:
+                    params["sampling_seed"] = seed
+                before = _graft_state(srv.url)
+                run = run_prompts_sync(srv.url, sets[set_name], c, params)
+                after = _graft_state(srv.url)
+                row = {"method": spec.method, "label": spec.label, "num_draft_tokens": spec.num_draft_tokens,
+                       "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed,
+                       "startup_s": startup, **summarize(run, spec.num_draft_tokens or 1)}
                 if before is not None and after is not None:
-                    row["draft_forwards"] = {k: after[k] - before[k] for k in after}
+                    row["calibration"] = calibration_delta(before, after)
+                    row["draft_forwards"] = {k: after["draft_forwards"][k] - before["draft_forwards"][k]
+                                             for k in after["draft_forwards"]}
                 outputs = [r.output_ids for r in run.results]
-                if m.method == "nospec":
-                    reference[c] = outputs
-                elif c in reference or 1 in reference:
-                    bad = equal_outputs(reference.get(c, reference.get(1)), outputs)
+                if spec.method == "nospec" and c == min(a.concurrency):
+                    if mode == "greedy":
+                        reference[set_name] = outputs
+                    if seed in (None, a.seeds[0]):
+                        quality.setdefault(set_name, {})[mode] = text_quality(outputs, tok)
+                elif spec.method != "nospec" and mode == "greedy" and set_name in reference:
+                    bad = equal_outputs(reference[set_name], outputs)
                     row["outputs_equal_nospec"] = bad is None
                     if bad is not None:
-                        mismatches.append(f"{m.label} c={c}: prompt {prompts[bad].pid}")
-                rows.append(row)
+                        mismatches.append(f"{spec.label} {set_name} c={c}: prompt {sets[set_name][bad].pid}")
+                per_mode.setdefault((set_name, mode, c), []).append(row)
                 bar.update(1)
+            for group in per_mode.values():   # sampled: one row, averaged over the seeds
+                rows.append(_mean_row(group) if len(group) > 1 else group[0])
     bar.close()
     add_ratios(rows)
-    payload = {"args": vars(a), "num_prompts": len(prompts), "rows": rows, "mismatches": mismatches}
+    payload = {"args": vars(a), "num_prompts": {k: len(v) for k, v in sets.items()}, "text_quality": quality,
+               "rows": rows, "mismatches": mismatches}
     write_json(out, payload)
-    plots = write_plots(rows, out.parent)
+    plots = write_plots(rows, out.parent, stem=out.stem)
     print(markdown_table(rows))
     print(f"\nJSON: {out}\nplots: {', '.join(plots)}")
     if mismatches:
         print("GREEDY OUTPUT MISMATCH vs no-spec: " + "; ".join(mismatches), file=sys.stderr)
         return 1
     return 0
+
+
+def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One row for a sampled (set, mode, concurrency): rates averaged over the seeds, counts summed."""
+    row = dict(group[0])
+    row["seed"] = [g["seed"] for g in group]
+    for key in ("tau", "tokens_per_s", "wall_s", "mean_latency_s", "output_tokens"):
+        row[key] = sum(g[key] for g in group) / len(group)
+    shares = [g["grafted_accept_share"] for g in group if g.get("grafted_accept_share") is not None]
+    row["grafted_accept_share"] = sum(shares) / len(shares) if shares else None
+    if "calibration" in row:
+        row["calibration"] = merge_calibration([g["calibration"] for g in group])
+    return row
 
 
 if __name__ == "__main__":

@@ -1,25 +1,32 @@
-"""The benchmarked methods and the SGLang server arguments each one runs with."""
+"""The benchmarked methods and the SGLang server arguments each one runs with.
+
+Every speculative method verifies at most N tokens per request per step (the same budget):
+
+| method | server |
+|---|---|
+| ``nospec`` | the target alone (every run's reference) |
+| ``eagle3`` | SGLang's EAGLE-3 (``--speculative-algorithm EAGLE3``), top-k x depth, N |
+| ``ngram`` | SGLang's NGRAM (retrieval from its own trie, ``--speculative-num-draft-tokens N``) |
+| ``retrieval_only`` | graft with no draft node selected (``--graft-draft-nodes false``) |
+| ``pruned_only`` | graft with retrieval off (the draft tree alone, priced and cut by the calibration) |
+| ``graft`` | graft with no graft config at all: what a user gets out of the box |
+| ``graft_paper`` | graft with the paper's threshold checkpoints (``--thresholds``), for reference |
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-#: Share of the budget N kept as draft nodes at each pruning stage, and the stages' default
-#: thresholds (paper setting 8 / 24 / 40 of 60; thresholds from configs/qwen3-8b.yaml). Small heads
-#: need their own thresholds: ``--thresholds`` (scripts/calibrate_checkpoints.py prints them).
+#: Share of the budget N kept as draft nodes at each paper checkpoint (8 / 24 / 40 of 60).
 STAGE_KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
+#: The third-party reimplementation's thresholds (configs/qwen3-8b.yaml); small heads need their own.
 STAGE_THRESHOLDS = (0.35, 0.25, 0.15)
-_NO_RETRIEVAL = {"successor": False, "suffix": False, "corpus": False}
-#: The graft variants: name -> GraftConfig overrides beyond the budget-dependent checkpoints.
-#: pruned_only: the pruned draft tree, freed slots padded (no retrieval, no refill).
-#: retrieval_only: one draft node kept (a stage that always fires), the rest retrieved.
-GRAFT_VARIANTS: Dict[str, Dict[str, Any]] = {
-    "graft": {},
-    "pruned_only": {"retrieval": _NO_RETRIEVAL, "graft": {"refill_with_draft": False}},
-    "retrieval_only": {"graft": {"refill_with_draft": False}},
+METHODS = ("nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft", "graft_paper")
+_GRAFT_EXTRA = {
+    "graft": [],
+    "retrieval_only": ["--graft-draft-nodes", "false"],
+    "pruned_only": ["--graft-retrieval", "none"],
 }
 
 
@@ -28,20 +35,12 @@ def stage_depths(depth: int) -> List[int]:
     return sorted({1, min(2, depth), max(depth - 1, 1)})
 
 
-def stage_checkpoints(n: int, depth: int, variant: str,
-                      thresholds: Sequence[float] = STAGE_THRESHOLDS) -> List[Dict[str, Any]]:
-    """Pruning checkpoints for budget ``n`` and draft ``depth`` (node depths 1, 2, depth-1), with
-    ``thresholds`` for those three depths.
-
-    ``retrieval_only`` gets a single stage at depth 1 that fires unless c_1 >= 0.999999 and keeps
-    one draft node (GraftConfig requires keep >= 1).
-    """
-    if variant == "retrieval_only":
-        return [{"depth": 1, "threshold": 0.999999, "keep": 1}]
-    depths = stage_depths(depth)
-    out: List[Dict[str, Any]] = []
+def stage_checkpoints(n: int, depth: int, thresholds: Sequence[float] = STAGE_THRESHOLDS) -> List[dict]:
+    """The paper's pruning checkpoints for budget ``n`` and draft ``depth`` (node depths 1, 2 and
+    depth-1, keeping 8 / 24 / 40 sixtieths of N), with ``thresholds`` for those depths."""
+    out: List[dict] = []
     prev = 0
-    for d, f, th in zip(depths, STAGE_KEEP_FRACTIONS, thresholds):
+    for d, f, th in zip(stage_depths(depth), STAGE_KEEP_FRACTIONS, thresholds):
         keep = max(prev + 1, round(n * f))
         if keep >= n:
             break
@@ -55,13 +54,10 @@ class MethodSpec:
     """One server configuration of the benchmark.
 
     Attributes:
-        method: ``nospec``, ``eagle3``, ``pruned_only``, ``retrieval_only``, ``graft``.
-        label: unique name of this (method, N) setting.
-        num_draft_tokens: verify budget N (None without speculation).
-        steps, topk: draft depth and top-k (EAGLE tree shape before reranking / pruning).
-        draft: EAGLE-3 head directory.
-        graft_overrides: GraftConfig fields for the graft variants.
-        base_graft_config: optional GraftConfig file merged under the overrides.
+        method: one of `METHODS`; label: unique name of this (method, N) setting;
+        num_draft_tokens: verify budget N (None without speculation);
+        steps, topk: draft depth and top-k (EAGLE-3 and graft);
+        draft: EAGLE-3 head directory; thresholds: ``graft_paper`` checkpoints' thresholds.
     """
 
     method: str
@@ -70,62 +66,49 @@ class MethodSpec:
     steps: int = 0
     topk: int = 0
     draft: str = ""
-    graft_overrides: Dict[str, Any] = field(default_factory=dict)
-    base_graft_config: Optional[str] = None
+    thresholds: Sequence[float] = field(default_factory=lambda: list(STAGE_THRESHOLDS))
 
-    def server_args(self, work_dir: Path) -> List[str]:
+    def server_args(self) -> List[str]:
         """SGLang CLI arguments for this method (the CPU defaults are added by the launcher)."""
         if self.method == "nospec":
             return []
+        n = str(self.num_draft_tokens)
+        if self.method == "ngram":
+            return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", n]
         algo = "EAGLE3" if self.method == "eagle3" else "graft"
         args = ["--speculative-algorithm", algo, "--speculative-draft-model-path", self.draft,
                 "--speculative-num-steps", str(self.steps), "--speculative-eagle-topk", str(self.topk),
-                "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
-        if algo == "graft":
-            cfg: Dict[str, Any] = {}
-            if self.base_graft_config:
-                from graft_spec.config import GraftConfig
+                "--speculative-num-draft-tokens", n]
+        if self.method == "graft_paper":
+            import json
 
-                cfg = GraftConfig.from_file(self.base_graft_config).model_dump()
-                for shape in ("num_draft_tokens", "topk", "depth"):  # the SGLang flags above set them
-                    cfg.pop(shape)
-            _deep_merge(cfg, self.graft_overrides)
-            path = work_dir / f"{self.label}.json"
-            path.write_text(json.dumps(cfg, indent=2))
-            args += ["--graft-config", str(path)]
+            cps = stage_checkpoints(self.num_draft_tokens, self.steps, self.thresholds)
+            args += ["--graft-checkpoints", json.dumps(cps)]
+        else:
+            args += _GRAFT_EXTRA.get(self.method, [])
         return args
 
 
-def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> None:
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _deep_merge(base[k], v)
-        else:
-            base[k] = v
-
-
-def build_methods(names: List[str], budgets: List[int], dense_n: int, depth: int, topk: int,
-                  draft: str, base_graft_config: Optional[str],
+def build_methods(names: Sequence[str], budgets: Sequence[int], depth: int, topk: int, draft: str,
                   thresholds: Sequence[float] = STAGE_THRESHOLDS) -> List[MethodSpec]:
-    """Expand method names over the budgets. ``nospec`` runs first (it is every run's reference).
+    """Expand method names over the budgets; ``nospec`` runs first (it is every run's reference).
 
     Raises:
-        ValueError: an unknown method name.
+        ValueError: an unknown method name, or a budget the draft shape cannot fill
+            (N - 1 > topk + (depth - 1) * topk**2).
     """
-    known = {"nospec", "eagle3_dense", "eagle3", *GRAFT_VARIANTS}
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in METHODS]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
+    space = topk + (depth - 1) * topk * topk
+    bad = [n for n in budgets if n - 1 > space]
+    if bad:
+        raise ValueError(f"budgets {bad} exceed the draft tree of top-{topk} x {depth} ({space + 1} nodes)")
     out: List[MethodSpec] = []
     if "nospec" in names:
         out.append(MethodSpec("nospec", "nospec"))
-    if "eagle3_dense" in names:
-        out.append(MethodSpec("eagle3", "eagle3_dense", dense_n, depth, topk, draft))
     for n in budgets:
-        if "eagle3" in names and not ("eagle3_dense" in names and n == dense_n):
-            out.append(MethodSpec("eagle3", f"eagle3_n{n}", n, depth, topk, draft))
-        for v in GRAFT_VARIANTS:
-            if v in names:
-                over = {**GRAFT_VARIANTS[v], "checkpoints": stage_checkpoints(n, depth, v, thresholds)}
-                out.append(MethodSpec(v, f"{v}_n{n}", n, depth, topk, draft, over, base_graft_config))
+        for m in METHODS[1:]:
+            if m in names:
+                out.append(MethodSpec(m, f"{m}_n{n}", n, depth, topk, draft, list(thresholds)))
     return out

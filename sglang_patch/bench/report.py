@@ -45,35 +45,95 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
     }
 
 
-def add_ratios(rows: List[Dict[str, Any]], baseline: str = "nospec", dense: str = "eagle3_dense") -> None:
-    """Add ``speedup_vs_nospec`` and ``speedup_vs_eagle3_dense`` (tokens/s ratios, same concurrency)."""
-    by_c: Dict[int, Dict[str, float]] = {}
+PEERS = ("eagle3", "ngram", "retrieval_only", "pruned_only")
+
+
+def _group(row: Dict[str, Any]) -> tuple:
+    return row.get("prompt_set"), row.get("mode"), row["concurrency"]
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """Ratios within one (prompt set, mode, concurrency), side by side:
+
+    * ``speedup_vs_nospec``: tokens/s over the no-speculation server's;
+    * on graft rows, ``vs``: {peer: {"tau": ratio, "tokens_per_s": ratio}} against every peer at the
+      same N (`PEERS`).
+    """
+    by: Dict[tuple, Dict[tuple, Dict[str, Any]]] = {}
     for r in rows:
-        by_c.setdefault(r["concurrency"], {})[r["label"]] = r["tokens_per_s"]
+        by.setdefault(_group(r), {})[(r["method"], r["num_draft_tokens"])] = r
     for r in rows:
-        ref = by_c[r["concurrency"]]
-        for key, name in (("speedup_vs_nospec", baseline), ("speedup_vs_eagle3_dense", dense)):
-            base = ref.get(name)
-            r[key] = r["tokens_per_s"] / base if base else None
+        same = by[_group(r)]
+        base = same.get(("nospec", None))
+        r["speedup_vs_nospec"] = r["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+        if r["method"].startswith("graft"):
+            r["vs"] = {}
+            for peer in PEERS:
+                p = same.get((peer, r["num_draft_tokens"]))
+                if p is not None:
+                    r["vs"][peer] = {"tau": r["tau"] / p["tau"] if p["tau"] else None,
+                                     "tokens_per_s": r["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else None}
+
+
+def calibration_delta(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
+    """A graft server's calibration over one run, from two ``/server_info`` worker states: per member
+    source ``{trials, est_sum, hit_sum, estimated, observed}`` (means over the run's verified nodes)."""
+    out = {}
+    for m, a in after["calibration"].items():
+        b = before["calibration"].get(m, {"trials": 0})
+        t = a["trials"] - b["trials"]
+        sums = lambda c, k: (c.get(k) or 0.0) * c["trials"]  # noqa: E731
+        e, h = sums(a, "estimated") - sums(b, "estimated"), sums(a, "observed") - sums(b, "observed")
+        out[m] = {"trials": t, "est_sum": e, "hit_sum": h, "estimated": e / t if t else None,
+                  "observed": h / t if t else None}
+    return out
+
+
+def merge_calibration(parts: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+    """Several `calibration_delta` results as one (counts summed, means recomputed)."""
+    out = {}
+    for m in parts[0]:
+        t = sum(p[m]["trials"] for p in parts)
+        e = sum(p[m]["est_sum"] for p in parts)
+        h = sum(p[m]["hit_sum"] for p in parts)
+        out[m] = {"trials": t, "est_sum": e, "hit_sum": h, "estimated": e / t if t else None,
+                  "observed": h / t if t else None}
+    return out
+
+
+def text_quality(outputs: List[List[int]], tokenizer) -> Dict[str, float]:
+    """How much of the text is real, per completion then averaged: ``non_whitespace_share`` (share of
+    non-whitespace characters of the decoded text) and ``distinct_4gram_ratio`` (distinct token-id
+    4-grams / all 4-grams; a loop drives it towards 0)."""
+    nws, d4 = [], []
+    for ids in outputs:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        nws.append(sum(not ch.isspace() for ch in text) / len(text) if text else 0.0)
+        grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+        d4.append(len(set(grams)) / len(grams) if grams else 0.0)
+    n = max(len(outputs), 1)
+    return {"non_whitespace_share": sum(nws) / n, "distinct_4gram_ratio": sum(d4) / n}
 
 
 def markdown_table(rows: List[Dict[str, Any]]) -> str:
-    """A short markdown table of every row."""
-    head = ("| method | N | conc | tau | verified/step | grafted share | tok/s | x no-spec | x EAGLE3-dense |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    """A markdown table of every row (graft rows add tau and tokens/s ratios to their peers)."""
+    head = ("| method | N | set | mode | conc | tau | verified/step | grafted share | tok/s | x no-spec |"
+            " graft tau / peers |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
+    fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
-        share = r.get("grafted_accept_share")
-        fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        vs = ", ".join(f"{k} {fmt(v['tau'])}" for k, v in r.get("vs", {}).items())
         lines.append(
-            f"| {r['label']} | {r['num_draft_tokens'] or '-'} | {r['concurrency']} | {r['tau']:.2f} | "
-            f"{r['verified_tokens_per_step']} | {fmt(share)} | {r['tokens_per_s']:.1f} | "
-            f"{fmt(r.get('speedup_vs_nospec'))} | {fmt(r.get('speedup_vs_eagle3_dense'))} |")
+            f"| {r['method']} | {r['num_draft_tokens'] or '-'} | {r.get('prompt_set', '-')} | {r.get('mode', '-')} | "
+            f"{r['concurrency']} | {r['tau']:.2f} | {r['verified_tokens_per_step']} | "
+            f"{fmt(r.get('grafted_accept_share'))} | {r['tokens_per_s']:.1f} | {fmt(r.get('speedup_vs_nospec'))} | "
+            f"{vs or '-'} |")
     return "\n".join(lines)
 
 
-def write_plots(rows: List[Dict[str, Any]], out_dir: Path) -> List[str]:
-    """PNG plots: tau vs N per method (concurrency 1), and accept-length histograms at the largest N.
+def write_plots(rows: List[Dict[str, Any]], out_dir: Path, stem: str = "bench") -> List[str]:
+    """PNG plots: tau vs N per method (one panel per prompt set x mode, lowest concurrency), and
+    tokens/s vs concurrency per method (largest N) when several concurrencies ran.
 
     Returns the written file paths.
     """
@@ -83,39 +143,45 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: Path) -> List[str]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    c1 = [r for r in rows if r["concurrency"] == min(x["concurrency"] for x in rows)]
     paths = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in sorted({r["method"] for r in c1 if r["num_draft_tokens"]}):
-        pts = sorted((r["num_draft_tokens"], r["tau"]) for r in c1 if r["method"] == method)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-    ax.set_xlabel("verify budget N (tokens per verify step)")
-    ax.set_ylabel("tau (accepted tokens / verify step)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    p = out_dir / "tau_vs_n.png"
+    c_min = min(r["concurrency"] for r in rows)
+    panels = sorted({(r.get("prompt_set"), r.get("mode")) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (ps, mode) in zip(axes[0], panels):
+        sel = [r for r in rows if r["concurrency"] == c_min and (r.get("prompt_set"), r.get("mode")) == (ps, mode)
+               and r["num_draft_tokens"]]
+        for method in sorted({r["method"] for r in sel}):
+            pts = sorted((r["num_draft_tokens"], r["tau"]) for r in sel if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_title(f"{ps}, {mode}")
+        ax.set_xlabel("verify budget N")
+        ax.set_ylabel("tau (tokens / verify step)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    p = out_dir / f"{stem}_tau_vs_n.png"
     fig.tight_layout()
-    fig.savefig(p, dpi=120)
+    fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(str(p))
 
-    spec_rows = [r for r in c1 if r["num_draft_tokens"]]
-    if spec_rows:
-        n_max = max(r["num_draft_tokens"] for r in spec_rows)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        sel = [r for r in spec_rows if r["num_draft_tokens"] == n_max]
-        width = 0.8 / max(len(sel), 1)
-        for i, r in enumerate(sel):
-            hist = r["accept_hist"]
-            total = max(sum(hist), 1)
-            ax.bar([k + i * width for k in range(len(hist))], [h / total for h in hist], width=width,
-                   label=r["method"])
-        ax.set_xlabel(f"accept length (bonus included), N={n_max}")
-        ax.set_ylabel("share of verify steps")
-        ax.legend()
-        p = out_dir / "accept_hist.png"
+    if len({r["concurrency"] for r in rows}) > 1:
+        n_max = max(r["num_draft_tokens"] or 0 for r in rows)
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+        for ax, (ps, mode) in zip(axes[0], panels):
+            sel = [r for r in rows if (r.get("prompt_set"), r.get("mode")) == (ps, mode)
+                   and r["num_draft_tokens"] in (None, n_max)]
+            for method in sorted({r["method"] for r in sel}):
+                pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in sel if r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.set_title(f"{ps}, {mode}, N={n_max}")
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel("tokens / s")
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        p = out_dir / f"{stem}_tokens_vs_concurrency.png"
         fig.tight_layout()
-        fig.savefig(p, dpi=120)
+        fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(str(p))
     return paths

@@ -21,6 +21,7 @@ from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
 from sglang_patch import server_stats
 from sglang_patch.graft_requests import GraftRequestTracker
+from sglang_patch.metrics import GraftStats
 
 from .conftest import BYTES_PER_SUFFIX_NODE, PER_REQUEST_OVERHEAD, retrieval_bound
 
@@ -64,6 +65,7 @@ class _GraftWorkerLike:
     def __init__(self, planner):
         self.planner = planner
         self.requests = GraftRequestTracker(planner)
+        self.stats = GraftStats()
 
     def live_graft_requests(self):
         return self.requests.live()
@@ -89,14 +91,14 @@ def test_pool_stats_of_a_non_graft_scheduler():
 def test_graft_worker_state_appears_and_is_freed():
     planner = _planner()
     worker = _GraftWorkerLike(planner)
-    succ = planner.retriever.successor.memory_bytes()
+    succ = planner.successor.memory_bytes()
     empty = server_stats.collect(_scheduler(worker))["worker"]
     assert empty["live_requests"] == 0 and empty["planner_memory_bytes"] == succ
 
     rng = random.Random(0)
     reqs = [_req(f"r{i}", [rng.randrange(VOCAB) for _ in range(100)]) for i in range(3)]
-    worker.requests.prepare(reqs, [100, 100, 100], [5, 6, 7])
-    worker.requests.commit(reqs, [[1, 2, 3], [4], [5, 6]], [[0, 1], [], [2]])
+    worker.requests.prepare(reqs)
+    worker.stats.record_round([[0, 1, -1], [-1, -1, -1], [2, -1, -1]], [[0, 0, 0]] * 5, [[0, 0]])
     w = server_stats.collect(_scheduler(worker))["worker"]
     assert w["live_requests"] == w["planner_live_requests"] == 3
     assert w["planner_memory_bytes"] > succ
@@ -104,7 +106,8 @@ def test_graft_worker_state_appears_and_is_freed():
     assert sum(w["memory_bytes_by_source"].values()) == w["planner_memory_bytes"]
     assert 100 <= w["suffix_max_nodes_per_request"] <= 512
     assert w["accepted_by_source"]["draft"] == 1 and w["accepted_by_source"]["retrieved"] == 1
-    assert w["accepted_by_source"]["padding"] == 1
+    assert w["accepted_by_source"]["padding"] == 1 and w["accepted_tokens"]["bonus"] == 3
+    assert w["accept_length_hist"] == {3: 1, 1: 1, 2: 1}
     assert w["config"]["suffix_max_nodes"] == 512
 
     for r in reqs:
@@ -165,8 +168,8 @@ def _stream(kind: str, rng: random.Random, n: int):
 @pytest.mark.parametrize("kind", ["random", "low_vocab", "repeat"])
 def test_retrieval_memory_bounded_by_the_cap(max_nodes, kind, record_property):
     planner = _planner(max_nodes)
-    suffix = planner.retriever.sources[1]
-    succ = planner.retriever.successor.memory_bytes()
+    suffix = planner.retriever.source("suffix")
+    succ = planner.successor.memory_bytes()
     bound = BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD
     rng = random.Random(max_nodes)
     tracemalloc.start()
@@ -198,7 +201,7 @@ def test_many_requests_and_a_prompt_far_over_the_cap():
     grows with the prompt, i.e. is bounded by the context length)."""
     max_nodes = 512
     planner = _planner(max_nodes)
-    succ = planner.retriever.successor.memory_bytes()
+    succ = planner.successor.memory_bytes()
     rng = random.Random(1)
     for i in range(32):
         planner.start_request(i, _stream("low_vocab", rng, 1500))
@@ -207,7 +210,7 @@ def test_many_requests_and_a_prompt_far_over_the_cap():
     assert planner.live_requests() == 32
     assert planner.memory_bytes() <= retrieval_bound(succ, 32, max_nodes)
     planner.start_request("long", _stream("random", rng, 20_000))
-    assert planner.retriever.sources[1].num_nodes("long") <= max_nodes
+    assert planner.retriever.source("suffix").num_nodes("long") <= max_nodes
     assert planner.memory_bytes() <= retrieval_bound(succ, 33, max_nodes)
     for i in [*range(32), "long"]:
         planner.stop_request(i)
