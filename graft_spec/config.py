@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = [
     "ENV_PREFIX",
     "ENV_FILE",
+    "read_config_file",
     "PruneStage",
     "RetrievalConfig",
     "GraftPolicy",
@@ -97,6 +98,14 @@ class RetrievalConfig(BaseModel):
     caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
     ``max_candidates`` slots per request in the host candidate buffer.
 
+    Isolation: the successor table is the only retrieval state learnt across requests (the suffix
+    index and lookup are per request; the corpus is static). With ``isolation: shared`` (default)
+    every request learns from and benefits from all traffic; ``tenant`` gives each tenant (SGLang:
+    the request's ``extra_key``) its own table, up to ``max_tenants`` at once (the least recently
+    used group is reset and reused); ``request`` gives each request its own hashed table of
+    ``request_table_rows`` rows. Sharing speeds up common text; isolation keeps one tenant's text
+    from changing another's acceptance timing (a known side channel of speculative decoding).
+
     Lookup (device): the last ``history_len`` committed tokens of every request stay on the
     device; the context's tail (up to ``lookup_max_match`` tokens) is matched within them and the
     continuation proposed as a chain of up to N - 1 tokens (loops wrap around), with no lag behind
@@ -124,6 +133,11 @@ class RetrievalConfig(BaseModel):
     corpus: bool = False
     corpus_path: Optional[str] = None
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
+
+    isolation: Literal["shared", "tenant", "request"] = Field(
+        default="shared", description="who shares the successor table: everyone, a tenant, a request")
+    max_tenants: int = Field(default=8, ge=1, le=4096, description="tenant groups (least recently used reused)")
+    request_table_rows: int = Field(default=4096, ge=64, description="hashed rows per request group")
 
     lookup: bool = True
     lookup_max_match: int = Field(default=8, ge=1, le=64)
@@ -259,6 +273,16 @@ class GraftConfig(BaseModel):
         return cls.model_validate(env_overrides(prefix, environ))
 
 
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping in a ``.json`` / ``.yaml`` / ``.yml`` config file (not validated).
+
+    Raises:
+        FileNotFoundError: missing file.
+        ValueError: unknown suffix or a top level that is not a mapping.
+    """
+    return _read_file(path)
+
+
 def _read_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     text = p.read_text()
@@ -332,21 +356,27 @@ def merge_config_sources(file: Optional[str | os.PathLike] = None,
                          overrides: Optional[Mapping[str, Any]] = None,
                          env: bool = True,
                          prefix: str = ENV_PREFIX,
-                         environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+                         environ: Optional[Mapping[str, str]] = None,
+                         file_data: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """The raw, not yet validated settings of `load_config` (file < env < overrides).
 
     Engine adapters use it to see which fields a user set explicitly (e.g. the tree shape,
-    which SGLang may also set) before validating once with the final values.
+    which SGLang may also set) before validating once with the final values. ``file_data``
+    stands for the file's content when it was read elsewhere (a launcher that ships one snapshot
+    of the settings to every rank); then nothing is read from disk.
 
     Raises:
         ValueError, FileNotFoundError: unreadable file or environment value.
     """
     e = os.environ if environ is None else environ
     data: dict[str, Any] = {}
-    if file is None and env and e.get(ENV_FILE):
-        file = e[ENV_FILE]
-    if file is not None:
-        data = _read_file(file)
+    if file_data is not None:
+        data = dict(file_data)
+    else:
+        if file is None and env and e.get(ENV_FILE):
+            file = e[ENV_FILE]
+        if file is not None:
+            data = _read_file(file)
     if env:
         data = _deep_merge(data, env_overrides(prefix, e))
     if overrides:
@@ -359,7 +389,8 @@ def load_config(file: Optional[str | os.PathLike] = None,
                 overrides: Optional[Mapping[str, Any]] = None,
                 env: bool = True,
                 prefix: str = ENV_PREFIX,
-                environ: Optional[Mapping[str, str]] = None) -> GraftConfig:
+                environ: Optional[Mapping[str, str]] = None,
+                file_data: Optional[Mapping[str, Any]] = None) -> GraftConfig:
     """The single loading path used by the engine adapters and scripts.
 
     Args:
@@ -369,7 +400,8 @@ def load_config(file: Optional[str | os.PathLike] = None,
             (``{"retrieval.suffix_max_depth": 12}``). ``None`` values are ignored so
             unset CLI flags do not clobber the file.
         env: read ``GRAFT_CONFIG`` and the ``{prefix}*`` variables (see `env_overrides`).
-        environ: mapping used instead of ``os.environ`` (tests).
+        environ: mapping used instead of ``os.environ`` (tests, snapshots).
+        file_data: the file's content, read elsewhere (see `merge_config_sources`).
 
     Returns:
         GraftConfig validated once from file < env < overrides.
@@ -377,4 +409,4 @@ def load_config(file: Optional[str | os.PathLike] = None,
     Raises:
         pydantic.ValidationError, ValueError, FileNotFoundError (see `GraftConfig.from_file`).
     """
-    return GraftConfig.model_validate(merge_config_sources(file, overrides, env, prefix, environ))
+    return GraftConfig.model_validate(merge_config_sources(file, overrides, env, prefix, environ, file_data))

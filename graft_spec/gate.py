@@ -74,6 +74,10 @@ class ExpectedGainGate:
         self.calibrator, self.bounds, self.floor = calibrator, bounds, floor
         self.mode = sampled.to(torch.int64)
         self.stop_depth: int | None = None
+        #: applied to the local decision (0-dim bool tensor) before it is read: an engine with
+        #: several ranks replaces it by a broadcast from its first rank, so that every rank runs the
+        #: same number of draft forwards (their collectives must match)
+        self.agree = lambda decision: decision
 
     def observe(self, depth: int, best: torch.Tensor) -> bool:
         """Record the best cumulative draft probability ``float[B]`` at ``depth`` (1, 2, ...);
@@ -83,7 +87,7 @@ class ExpectedGainGate:
         d = min(depth, self.bounds.shape[1] - 1)
         q = self.calibrator.q_bin(torch.log(best.float().clamp(min=1e-30)))
         bound = self.bounds[self.mode, d, q]
-        if bool((bound < self.floor).all()):
+        if bool(self.agree((bound < self.floor).all())):
             self.stop_depth = depth
             return True
         return False

@@ -19,6 +19,7 @@ device state (calibration counts, successor table, token history).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
@@ -87,6 +88,39 @@ class RoundStats:
     depths: torch.Tensor
 
 
+class GroupMap:
+    """Keys (tenant labels or request ids) -> successor-table isolation groups.
+
+    A key keeps its group while it is in use; when every group is taken the least recently used
+    key's group is handed over (and must be reset by the caller: ``fresh`` is then True).
+
+    Args:
+        capacity: number of groups.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._map: "OrderedDict[Hashable, int]" = OrderedDict()
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def get(self, key: Hashable) -> tuple[int, bool]:
+        """``(group, fresh)``: fresh when the group was just (re)assigned to ``key``."""
+        if key in self._map:
+            self._map.move_to_end(key)
+            return self._map[key], False
+        if self._free:
+            g = self._free.pop()
+        else:
+            _, g = self._map.popitem(last=False)
+        self._map[key] = g
+        return g, True
+
+    def release(self, key: Hashable) -> None:
+        g = self._map.pop(key, None)
+        if g is not None:
+            self._free.append(g)
+
+
 class GraftPlanner:
     """Config, calibrator, retrieval state and the step of one engine instance.
 
@@ -105,9 +139,13 @@ class GraftPlanner:
         self.device = torch.device(device)
         r = config.retrieval
         n = config.num_draft_tokens
+        groups = {"shared": 1, "tenant": r.max_tenants, "request": 2 * max(max_batch, 1) + 8}[r.isolation]
+        self.groups = GroupMap(groups)
         self.successor = (SuccessorTable(vocab_size, k=r.successor_k, max_depth=r.successor_max_depth,
                                          size=min(r.max_candidates, n - 1), prior=r.successor_prior,
-                                         decay=r.successor_rank_decay, device=self.device)
+                                         decay=r.successor_rank_decay, groups=groups,
+                                         rows=r.request_table_rows if r.isolation == "request" else None,
+                                         device=self.device)
                           if r.successor else None)
         slots = self.successor.size if self.successor else 0
         prior = self.successor.slot_prior if self.successor else torch.zeros(0)
@@ -119,11 +157,33 @@ class GraftPlanner:
         self.history = TokenHistory(max_slots, r.history_len, self.device)
         self.step = GraftStep(config, self.calibrator, self.successor, self.device)
         self._seen: dict[Hashable, int] = {}
+        self._group: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ host lifecycle
-    def start_request(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
-        """Register a request and index its prompt (idempotent: restarts the request)."""
+    def assign_group(self, req_id: Hashable, tenant: Optional[Hashable] = None) -> int:
+        """The request's successor-table isolation group (``retrieval.isolation``), assigned on first
+        call: 0 when shared, the tenant's group, or the request's own; a group handed over from
+        another key is reset on the device first (no host read)."""
+        if req_id in self._group:
+            return self._group[req_id]
+        mode = self.config.retrieval.isolation
+        if mode == "shared":
+            g, fresh = 0, False
+        else:
+            g, fresh = self.groups.get(req_id if mode == "request" else ("tenant", tenant))
+        if fresh and self.successor is not None:
+            self.successor.reset_group(g)
+        self._group[req_id] = g
+        return g
+
+    def start_request(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
+        """Register a request and index its prompt (idempotent: restarts the request).
+
+        Args:
+            tenant: the request's tenant label (``retrieval.isolation: tenant``; None = the default tenant).
+        """
         ids = [int(t) for t in prompt_ids]
+        self.assign_group(req_id, tenant)
         self._seen[req_id] = len(ids)
         self.retriever.start(req_id, ids)
 
@@ -136,7 +196,14 @@ class GraftPlanner:
     def stop_request(self, req_id: Hashable) -> None:
         """Free all per-request state (finished or aborted request)."""
         self._seen.pop(req_id, None)
+        self._group.pop(req_id, None)
+        if self.config.retrieval.isolation == "request":
+            self.groups.release(req_id)
         self.retriever.stop(req_id)
+
+    def group_of(self, req_id: Hashable) -> int:
+        """The request's isolation group (0 when it has none yet)."""
+        return self._group.get(req_id, 0)
 
     def seen(self, req_id: Hashable) -> int:
         """Context tokens (prompt + outputs) the host sources have seen for ``req_id`` (0: unknown)."""
@@ -154,15 +221,13 @@ class GraftPlanner:
     def host_candidates(self, req_ids: Sequence[Hashable]) -> HostCandidates:
         """Fill one buffer row per request (host only) and upload the batch with one copy.
 
-        Each row is anchored at the context the sources have seen (`seen`); unknown requests get
-        an empty row.
+        Each row is anchored at the context the sources have seen (`seen`) and carries the request's
+        isolation group; unknown requests get an empty row.
         """
         b = len(req_ids)
-        if self.buffer.width == 0:
-            return HostCandidates.empty(b, 0, self.device)
         self.buffer.ensure(b)
         for row, rid in enumerate(req_ids):
-            self.retriever.fill(self.buffer, row, rid, self.seen(rid))
+            self.retriever.fill(self.buffer, row, rid, self.seen(rid), self.group_of(rid))
         return self.buffer.upload(b)
 
     def build(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
@@ -208,8 +273,9 @@ class GraftPlanner:
         tree = out.tree
         members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
         if self.successor is not None and target_topk is not None:
+            groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),
-                                  tree.source != SOURCE_PADDING)
+                                  tree.source != SOURCE_PADDING, groups[:, None].expand_as(tree.tokens))
         self.history.append(slot_ids, committed, accept_len)
         # accepted nodes in path order = in index order (a path's nodes have increasing indices)
         n = tree.tokens.shape[1]

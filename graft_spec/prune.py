@@ -161,6 +161,8 @@ class DraftStopGate:
         self._thresholds = {c.depth: c.threshold for c in checkpoints}
         self.fired = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self.stop_depth: int | None = None
+        #: applied to the local decision before it is read (see `gate.ExpectedGainGate.agree`)
+        self.agree = lambda decision: decision
 
     def observe(self, depth: int, best: torch.Tensor) -> bool:
         """Record depth ``depth``'s confidence; True when drafting can stop after this depth.
@@ -179,7 +181,7 @@ class DraftStopGate:
         if threshold is None:
             return False
         self.fired |= best.float() < threshold
-        if bool(self.fired.all()):
+        if bool(self.agree(self.fired.all())):
             self.stop_depth = depth
             return True
         return False

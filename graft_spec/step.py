@@ -165,6 +165,7 @@ class StepOutput:
         mask: ``bool[B, N, N]`` ancestor mask.
         first_child, next_sibling: ``int64[B, N]`` SGLang's retrieve_next_token / _sibling.
         estimates: the calibration estimates the round was priced with (for the update).
+        groups: ``int64[B]`` successor-table isolation group of each row (for the update).
     """
 
     tree: DraftTree
@@ -175,6 +176,7 @@ class StepOutput:
     first_child: torch.Tensor
     next_sibling: torch.Tensor
     estimates: torch.Tensor
+    groups: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_tree(tree: DraftTree, seq_lens: torch.Tensor) -> "StepOutput":
@@ -184,6 +186,26 @@ class StepOutput:
         b, n = tree.tokens.shape
         bins = torch.full((b, n, NUM_MEMBERS), -1, dtype=torch.int64, device=tree.device)
         return StepOutput(tree, bins, depth, positions, mask, first, nxt, torch.zeros(1, device=tree.device))
+
+    def pack(self) -> torch.Tensor:
+        """``int64[B, N, 4 + NUM_MEMBERS]``: tokens, parents, source, log-estimate bits and member bins,
+        one tensor to broadcast so that every rank verifies the same tree (`unpack` rebuilds the
+        rest)."""
+        t = self.tree
+        bits = t.logp.float().contiguous().view(torch.int32).to(torch.int64)
+        return torch.cat([t.tokens[..., None], t.parents[..., None], t.source[..., None], bits[..., None],
+                          self.member_bins], dim=2)
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, seq_lens: torch.Tensor, estimates: torch.Tensor,
+               groups: Optional[torch.Tensor] = None) -> "StepOutput":
+        """The `StepOutput` of a `pack`ed tree (layout recomputed from its parents and ``seq_lens``;
+        ``estimates`` and ``groups`` are this rank's own)."""
+        logp = packed[..., 3].to(torch.int32).view(torch.float32)
+        tree = DraftTree(packed[..., 0].contiguous(), packed[..., 1].contiguous(), logp,
+                         packed[..., 2].contiguous())
+        depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
+        return StepOutput(tree, packed[..., 4:].contiguous(), depth, positions, mask, first, nxt, estimates, groups)
 
     @property
     def expected_accept_length(self) -> torch.Tensor:
@@ -255,9 +277,10 @@ class GraftStep:
             key_n = torch.where(keep, math.inf, refill)
         return tokens, parents, key_n, est_n, valid_n, bins_n
 
-    def _successor_part(self, roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+    def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
+                        est_table: torch.Tensor):
         succ = self.successor
-        tokens, valid = succ.expand(roots)
+        tokens, valid = succ.expand(roots, groups)
         t = succ.size
         b = roots.shape[0]
         bins = self.calibrator.successor_bins(t, sampled)
@@ -295,7 +318,7 @@ class GraftStep:
                                                                                       device=roots.device)], []
         group.append(torch.zeros(b, 0, dtype=torch.int64, device=roots.device))
         if self.successor is not None:
-            _, _, e, v, _ = self._successor_part(roots, sampled, est_table)
+            _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table)
             est.append(e)
             valid.append(v)
             group.append(torch.zeros_like(e, dtype=torch.int64))
@@ -323,7 +346,8 @@ class GraftStep:
         Args:
             draft: `DraftCandidates` ``[B, S]``.
             roots: ``int64[B]`` root tokens (the previous round's bonus tokens).
-            host: `HostCandidates` ``[B, M]`` (M may be 0).
+            host: `HostCandidates` ``[B, M]`` (M may be 0; its ``group`` picks each row's
+                successor-table isolation group).
             hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' token windows (history.py),
                 ending with the root.
             seq_lens: ``int64[B]`` committed tokens before the root.
@@ -356,7 +380,7 @@ class GraftStep:
             offset += tok.shape[1]
 
         if self.successor is not None:
-            tok, par, est, valid, bins = self._successor_part(roots, sampled, est_table)
+            tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table)
             add(tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR))
         if self.config.retrieval.lookup:
             add(*self._lookup_part(hist, count, sampled, est_table))
@@ -369,4 +393,4 @@ class GraftStep:
             torch.cat(parts_valid, 1), torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n,
             self.config.graft)
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
-        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table)
+        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group)

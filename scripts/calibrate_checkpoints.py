@@ -62,7 +62,7 @@ def checkpoints_for(conf: np.ndarray, budget: int, depth: int, fire_rate: float)
     digits, clamped to [1e-6, 0.999])."""
     thresholds = [float(f"{min(max(float(np.quantile(conf[:, d - 1], fire_rate)), 1e-6), 0.999):.4g}")
                   for d in stage_depths(depth)]
-    return stage_checkpoints(budget, depth, "graft", thresholds)
+    return stage_checkpoints(budget, depth, thresholds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,40 @@ def _environ(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
+#: Key of ``_graft_cli`` holding the launcher's snapshot of the config file and environment.
+SNAPSHOT = "__snapshot__"
+
+
+def snapshot_sources(cli: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The config file's content and the ``GRAFTCFG_*`` / ``GRAFT_CONFIG`` environment as the launcher
+    sees them, to ship with the server arguments: every scheduler (every TP / DP rank, every node)
+    then builds the config from the same values instead of reading its own file and environment.
+
+    Raises:
+        GraftSettingsError: the config file cannot be read.
+    """
+    from graft_spec.config import ENV_FILE, ENV_PREFIX, read_config_file
+
+    env = {k: v for k, v in _environ(environ).items() if k.startswith(ENV_PREFIX) or k == ENV_FILE}
+    file = cli.get("config") or env.get(ENV_FILE)
+    try:
+        data = read_config_file(file) if file else None
+    except (OSError, ValueError) as exc:
+        raise GraftSettingsError(f"invalid graft setting: {exc}") from None
+    return {"file": file, "file_data": data, "env": env}
+
+
+def _sources(cli: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]]):
+    """``(flags, file, file_data, env)``: from the shipped snapshot when there is one (and no explicit
+    ``environ``), else from this process's file and environment."""
+    flags = dict(cli or {})
+    snap = flags.pop(SNAPSHOT, None)
+    file = flags.pop("config", None)
+    if snap is not None and environ is None:
+        return flags, snap["file"], snap["file_data"], snap["env"]
+    return flags, file, None, _environ(environ)
+
+
 def _describe_origin(loc: Tuple[str, ...], cli: Mapping[str, Any], env: Mapping[str, str],
                      file: Optional[str]) -> str:
     """Where the value at ``loc`` came from: the longest field prefix set by a flag, else by an
@@ -150,13 +184,11 @@ def build_graft_config(cli: Optional[Mapping[str, Any]] = None,
     from graft_spec.config import load_config
     from pydantic import ValidationError
 
-    cli = dict(cli or {})
-    file = cli.pop("config", None)
-    env = _environ(environ)
+    cli, file, file_data, env = _sources(cli, environ)
     overrides = dict(cli)
     overrides.update(dict(shape or {}))
     try:
-        return load_config(file=file, overrides=overrides, env=True, environ=env)
+        return load_config(file=file, overrides=overrides, env=True, environ=env, file_data=file_data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -232,11 +264,14 @@ def stash_graft_cli_args(result, cls, args: argparse.Namespace):
         GraftSettingsError: invalid graft settings.
     """
     cli = graft_cli_values(args)
-    setattr(result, CLI_ATTR, cli)
     algo = getattr(result, "speculative_algorithm", None)
     if algo is not None and str(algo).upper() == "GRAFT":
+        cli[SNAPSHOT] = snapshot_sources(cli)
+        setattr(result, CLI_ATTR, cli)
         effective_graft_config(result)
-    elif len(cli) > 0:
+        return None
+    setattr(result, CLI_ATTR, cli)
+    if len(cli) > 0:
         logger.warning("--graft-* flags given without --speculative-algorithm graft; ignored")
     return None
 
@@ -244,7 +279,7 @@ def stash_graft_cli_args(result, cls, args: argparse.Namespace):
 # --------------------------------------------------------------------------------------------------
 # SGLang hook: server-argument resolution (GraftSpec.handle_server_args)
 # --------------------------------------------------------------------------------------------------
-def _explicit_shape(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, int]:
+def _explicit_shape(cli: Mapping[str, Any], environ: Optional[Mapping[str, str]]) -> Dict[str, int]:
     """Tree-shape values the user set for graft (flag, environment or file), not defaults.
 
     Read from the merged sources before validation: the rest of the config may only be valid with
@@ -252,10 +287,9 @@ def _explicit_shape(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[
     """
     from graft_spec.config import merge_config_sources
 
-    cli = dict(cli)
-    file = cli.pop("config", None)
+    cli, file, file_data, env = _sources(cli, environ)
     try:
-        raw = merge_config_sources(file=file, overrides=cli, env=True, environ=environ)
+        raw = merge_config_sources(file=file, overrides=cli, env=True, environ=env, file_data=file_data)
     except (OSError, ValueError) as exc:
         raise GraftSettingsError(f"invalid graft setting: {exc}") from None
     return {f: raw[f] for f in SHARED_SHAPE if raw.get(f) is not None}
@@ -272,9 +306,8 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
     Raises:
         GraftSettingsError: an explicit graft value contradicts an explicit SGLang flag.
     """
-    env = _environ(environ)
     cli = getattr(sa, CLI_ATTR, None) or {}
-    explicit = _explicit_shape(cli, env)
+    explicit = _explicit_shape(cli, environ)
     from graft_spec.config import GraftConfig
 
     shape: Dict[str, int] = {}
@@ -294,11 +327,61 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
 
 def effective_graft_config(sa, environ: Optional[Mapping[str, str]] = None):
     """GraftConfig with the tree shape SGLang resolved (used by the worker and by validation)."""
-    env = _environ(environ)
-    resolve_tree_shape(sa, env)  # raises on a graft value that contradicts an SGLang flag
+    resolve_tree_shape(sa, environ)  # raises on a graft value that contradicts an SGLang flag
     sglang_shape = {f: int(getattr(sa, sa_f)) for f, sa_f in SHARED_SHAPE.items()
                     if getattr(sa, sa_f, None) is not None}
-    return build_graft_config(getattr(sa, CLI_ATTR, None), env, shape=sglang_shape)
+    return build_graft_config(getattr(sa, CLI_ATTR, None), environ, shape=sglang_shape)
+
+
+#: Attention backends that verify trees with topk > 1 and page_size > 1 (speculative_hook.py:1271).
+PAGED_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
+#: Attention backends that ignore the tree mask (chain-only verify, speculative_hook.py:1176).
+CHAIN_ONLY_BACKENDS = ("trtllm_mha",)
+
+
+def refuse_unsafe_combinations(sa) -> None:
+    """The checks SGLang's EAGLE validation (``speculative_hook.py:1072-1283``) would make, which a
+    custom algorithm skips (``speculative_hook.py:264``), plus graft's own; each names the flag.
+
+    Raises:
+        GraftSettingsError: accept thresholds other than 1.0 (lossy by design), a chain-only
+            attention backend, page_size > 1 on a backend without paged tree verify,
+            ``--enable-dp-attention``, or a ROCm device (no tree sampling kernel: SGLang would verify
+            sampled requests greedily, ignoring their temperature).
+    """
+    for flag in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+        value = getattr(sa, flag, 1.0)
+        if value is not None and float(value) != 1.0:
+            raise GraftSettingsError(
+                f"--{flag.replace('_', '-')} = {value}: graft verifies losslessly, which needs 1.0 "
+                "(lower thresholds accept tokens the target would not sample)")
+    backends = {getattr(sa, f, None) for f in ("attention_backend", "decode_attention_backend",
+                                                "prefill_attention_backend")} - {None}
+    chain = sorted(backends & set(CHAIN_ONLY_BACKENDS))
+    if chain:
+        raise GraftSettingsError(
+            f"--attention-backend {chain[0]} verifies chains only (topk 1); graft verifies trees "
+            f"(topk > 1): use one of {', '.join(PAGED_TREE_BACKENDS)}")
+    page = getattr(sa, "page_size", 1) or 1
+    if page > 1 and backends and not backends <= set(PAGED_TREE_BACKENDS):
+        raise GraftSettingsError(
+            f"--page-size {page} with --attention-backend {sorted(backends)[0]}: trees (topk > 1) with "
+            f"page_size > 1 are verified only by {', '.join(PAGED_TREE_BACKENDS)}; use --page-size 1")
+    if getattr(sa, "enable_dp_attention", False):
+        raise GraftSettingsError(
+            "--enable-dp-attention is not supported with graft yet: data-parallel attention ranks "
+            "hold different requests but must run the same draft steps, and graft's eager stop gate "
+            "and tree agreement are per attention-TP group")
+    try:
+        from sglang.srt.utils import is_hip
+
+        hip = is_hip()
+    except Exception:  # noqa: BLE001 - SGLang builds without the helper: not ROCm
+        hip = False
+    if hip:
+        raise GraftSettingsError(
+            "graft on ROCm: SGLang 0.5.23 has no tree sampling kernel there and would verify sampled "
+            "requests greedily (ignoring temperature); not supported")
 
 
 def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None) -> None:
@@ -313,7 +396,8 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
 
     Raises:
         GraftSettingsError: missing draft model, ``topk == 1``, rejection sampling, pipeline
-            parallelism, or any invalid GraftConfig field (message names the field).
+            parallelism, `refuse_unsafe_combinations`, or any invalid GraftConfig field (message
+            names the field).
     """
     if getattr(sa, "speculative_draft_model_path", None) is None:
         raise GraftSettingsError(
@@ -336,6 +420,7 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
     for flag in ("speculative_adaptive", "enable_multi_layer_eagle"):
         if getattr(sa, flag, False):
             raise GraftSettingsError(f"graft does not support --{flag.replace('_', '-')}")
+    refuse_unsafe_combinations(sa)
 
     cfg = effective_graft_config(sa, environ)
     for field, sa_field in SHARED_SHAPE.items():

@@ -37,6 +37,12 @@ SOURCE_LETTER = {SOURCE_DRAFT: "d", SOURCE_RETRIEVED: "r", SOURCE_PADDING: "p"}
 TARGET_LETTER = "t"
 
 
+def tenant_of(req) -> Optional[str]:
+    """A request's tenant for ``retrieval.isolation: tenant``: SGLang's per-request ``extra_key`` (the
+    caller-defined classification that also partitions its radix cache), else None."""
+    return getattr(req, "extra_key", None)
+
+
 @dataclass
 class RequestStats:
     """Counters of one request (host ints)."""
@@ -94,7 +100,7 @@ class GraftRequestTracker:
                 if st is None:
                     st = RequestStats()
                     self.states[rid] = st
-                self.planner.start_request(rid, prompt)
+                self.planner.start_request(rid, prompt, tenant=tenant_of(req))
                 self.planner.extend(rid, outputs)
                 st.prompt_len, st.seen = len(prompt), total
             elif st.seen < total:

@@ -25,6 +25,11 @@ Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.
    recorded (`GraftRequestTracker.record`). No host read in the worker's decode path.
 5. **Draft extend** — unchanged, launched right after verify.
 
+With tensor parallelism every rank builds its own tree, then the first rank's is broadcast to all
+(`StepOutput.pack`, one collective), and the eager stop gate's decision per depth is the first
+rank's too: ranks always verify the same tree and run the same number of draft forwards, whatever
+their host state (tests/test_sglang_tp.py perturbs one rank on purpose).
+
 SGLang globals rebound for the length of a call (``_rebound``): ``eagle_worker_v2.organize_draft_results``
 (:919), ``eagle_worker_v2.select_top_k_tokens`` (:812, eager with a gate), ``eagle_worker_v2
 .build_eagle_verify_input`` (:717), and the draft runner's ``forward`` (eager counting / skipping).
@@ -33,6 +38,7 @@ SGLang globals rebound for the length of a call (``_rebound``): ``eagle_worker_v
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -49,13 +55,16 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorker
 from graft_spec.pipeline import GraftPlanner, RoundStats, on_path_from_accept_index
 from graft_spec.prune import DraftStopGate
 from graft_spec.retrieval.buffer import HostCandidates
-from graft_spec.step import dense_draft_candidates
+from graft_spec.step import StepOutput, dense_draft_candidates
 from sglang_patch.args import effective_graft_config
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
-from sglang_patch.graft_requests import GraftRequestTracker
+from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from sglang_patch.metrics import GraftStats, prometheus_enabled
 
 logger = logging.getLogger(__name__)
+
+#: Fault injection (tests): the TP rank whose own graft tree is scrambled (`GraftWorker.inject_fault`).
+FAULT_ENV = "GRAFT_FAULT_PERTURB_RANK"
 
 
 @contextlib.contextmanager
@@ -204,8 +213,14 @@ class GraftDraftWorker(EagleDraftWorker):
         draft = dense_draft_candidates(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         self.graft._slots()
+        host, draft = self.graft.inject_fault(host, draft)
         out = self.graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens,
                                        self.graft.sampled_rows(batch))
+        group = self.graft.tp_group()
+        if group is not None:  # every rank verifies the first rank's tree (one broadcast)
+            packed = out.pack()
+            group.broadcast(packed, src=0)
+            out = StepOutput.unpack(packed, batch.seq_lens, out.estimates, out.groups)
 
         verify_mask = target_worker.model_runner.attn_backend.verify_mask
         if verify_mask is None:
@@ -292,6 +307,35 @@ class GraftWorker(EAGLEWorkerV2):
             self._draft_worker.graft = self
         logger.info("graft worker ready: %s", self.config.model_dump_json())
 
+    # ------------------------------------------------------------------ ranks
+    def tp_group(self):
+        """SGLang's TP group coordinator when this worker has peers (graft refuses DP attention, so the
+        attention TP group is the TP group), else None."""
+        from sglang.srt.runtime_context import get_parallel
+
+        group = getattr(get_parallel(), "tp_group", None)
+        return group if group is not None and group.world_size > 1 else None
+
+    def _agree(self, decision: torch.Tensor) -> torch.Tensor:
+        """The first rank's value of a local decision tensor (a broadcast), so every rank drafts alike."""
+        t = decision.reshape(1).to(torch.int64)
+        self.tp_group().broadcast(t, src=0)
+        return t[0].bool()
+
+    def inject_fault(self, host: HostCandidates, draft):
+        """Fault injection for the rank-agreement test: on the TP rank named by
+        ``GRAFT_FAULT_PERTURB_RANK``, the host proposals and the draft scores are scrambled, so this
+        rank's own tree differs from its peers'. Without the environment variable: a no-op."""
+        import os
+
+        rank = os.environ.get(FAULT_ENV)
+        group = self.tp_group()
+        if rank is None or group is None or int(rank) != group.rank_in_group:
+            return host, draft
+        host = dataclasses.replace(host, tokens=host.tokens.flip(1))
+        draft.logq = draft.logq.flip(1)
+        return host, draft
+
     def _slots(self) -> None:
         """Size the token history to the request pool (its rows are ``req_pool_indices``) on first use."""
         self.planner.history.ensure(self.target_worker.model_runner.req_to_token_pool.req_to_token.shape[0])
@@ -318,11 +362,16 @@ class GraftWorker(EAGLEWorkerV2):
         if cfg.checkpoints:
             if get_spec().speculative_use_rejection_sampling and not batch.sampling_info.is_all_greedy:
                 return None, None
-            return DraftStopGate(cfg.checkpoints, bs, device=self.device), None
+            gate = DraftStopGate(cfg.checkpoints, bs, device=self.device)
+            if self.tp_group() is not None:
+                gate.agree = self._agree
+            return gate, None
         host = self.host_candidates(batch)
         roots = batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64)
         gate = self.planner.stop_gate(roots, host, batch.req_pool_indices, batch.seq_lens,
                                       self.sampled_rows(batch))
+        if self.tp_group() is not None:
+            gate.agree = self._agree
         return gate, host
 
     # ------------------------------------------------------------------ scheduler hooks
@@ -358,12 +407,15 @@ class GraftWorker(EAGLEWorkerV2):
         ids = batch.input_ids
         lens = getattr(batch, "extend_lens", None)
         if self.planner.successor is not None and ids is not None and lens and ids.numel() > 1:
-            # prefill only (not the decode path): one small host-to-device copy of the lengths
+            # prefill only (not the decode path): small host-to-device copies of lengths and groups
             ids = ids.reshape(-1).to(torch.int64)
-            starts = torch.tensor(lens, device=ids.device).cumsum(0)
+            lens_t = torch.tensor(lens, device=ids.device)
+            starts = lens_t.cumsum(0)
             same = torch.ones(ids.numel() - 1, dtype=torch.bool, device=ids.device)
             same[(starts[:-1] - 1).clamp(0, ids.numel() - 2)] = False
-            self.planner.successor.warm_start(ids[:-1], ids[1:], same)
+            groups = torch.tensor([self.planner.assign_group(r.rid, tenant_of(r)) for r in batch.reqs],
+                                  device=ids.device).repeat_interleave(lens_t)
+            self.planner.successor.warm_start(ids[:-1], ids[1:], same, groups[:-1])
         return result
 
     # ------------------------------------------------------------------ verify

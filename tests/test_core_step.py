@@ -67,7 +67,8 @@ def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True):
     draft = dense_draft_candidates(scores, tokens, parent_list, topk, steps)
     host = HostCandidates(torch.randint(0, vocab, (b, m), device=dev), torch.full((b, m), -1, device=dev),
                           torch.zeros(b, m, device=dev), torch.full((b, m), MEMBER_SUFFIX, device=dev),
-                          torch.ones(b, m, dtype=torch.int64, device=dev), torch.full((b,), 5, device=dev))
+                          torch.ones(b, m, dtype=torch.int64, device=dev), torch.full((b,), 5, device=dev),
+                          torch.zeros(b, dtype=torch.int64, device=dev))
     return (draft, torch.randint(0, vocab, (b,), device=dev), host, torch.arange(b, device=dev),
             torch.full((b,), 4, device=dev), torch.arange(b, device=dev) % 2 == 1)
 
@@ -131,7 +132,7 @@ def test_reanchor_moves_matching_paths_under_the_new_root():
     logp = torch.log(torch.tensor([[0.9, 0.8, 0.6, 0.5, 0.1, 0.05, 0.04]]))
     member = torch.full((1, 7), MEMBER_SUFFIX)
     match = torch.full((1, 7), 3)
-    host = HostCandidates(tok, par, logp, member, match, torch.tensor([10]))
+    host = HostCandidates(tok, par, logp, member, match, torch.tensor([10]), torch.zeros(1, dtype=torch.int64))
     # the device committed 8, 9 since (root = 9): seq_len + 1 = 12 = 10 + gap 2
     hist = torch.tensor([[5, 6, 7, 8, 9]])       # right-aligned window, all 5 valid
     new_par, depth, lp, mt, valid = reanchor(host, hist, torch.tensor([5]), torch.tensor([11]))
@@ -140,11 +141,11 @@ def test_reanchor_moves_matching_paths_under_the_new_root():
     assert lp[0, 2:4].exp().tolist() == pytest.approx([0.6 / 0.8, 0.5 / 0.8])
     assert mt[0, 2:4].tolist() == [5, 5]
     # no lag: everything stays, under the root
-    host0 = HostCandidates(tok, par, logp, member, match, torch.tensor([12]))
+    host0 = HostCandidates(tok, par, logp, member, match, torch.tensor([12]), torch.zeros(1, dtype=torch.int64))
     new_par, depth, lp, _, valid = reanchor(host0, hist, torch.tensor([5]), torch.tensor([11]))
     assert valid.all() and torch.equal(new_par, par) and torch.allclose(lp, logp)
     # a gap the history does not hold (only 2 valid tokens): nothing survives
-    host3 = HostCandidates(tok, par, logp, member, match, torch.tensor([9]))
+    host3 = HostCandidates(tok, par, logp, member, match, torch.tensor([9]), torch.zeros(1, dtype=torch.int64))
     assert not reanchor(host3, hist, torch.tensor([2]), torch.tensor([11]))[4].any()
 
 
@@ -369,3 +370,45 @@ def test_simulated_graft_is_lossless_and_not_worse_than_its_parts(skill):
         taus[name] = tau
     assert taus["graft"] >= 0.97 * max(taus["draft_only"], taus["retrieval_only"]), taus
     assert taus["graft"] > 1.0
+
+
+# ----------------------------------------------------------------------------- tenant isolation
+
+@pytest.mark.parametrize("isolation, leaks", [("shared", True), ("tenant", False), ("request", False)])
+def test_isolation_keeps_one_tenants_text_from_anothers_tree(isolation, leaks):
+    """Tenant A's verified text teaches the successor table; with ``shared`` tenant B's tree then
+    proposes A's continuation (B's acceptance timing depends on A's traffic), with ``tenant`` or
+    ``request`` it does not."""
+    cfg = GraftConfig(num_draft_tokens=8, topk=2, depth=3, draft_nodes=False,
+                      retrieval={"suffix": False, "lookup": False, "isolation": isolation, "max_tenants": 4})
+    planner = GraftPlanner(cfg, 100, max_batch=2, max_slots=4)
+    planner.start_request("a", [1, 2], tenant="A")
+    planner.start_request("b", [1, 2], tenant="B")
+    # A's round: root 10 was verified, the target's top-k after it starts with 77 (A's secret)
+    out = planner.build(dense_inputs(1, 2, 3, 100, 0, "cpu", torch.Generator().manual_seed(0))[0],
+                        torch.tensor([10]), planner.host_candidates(["a"]), torch.tensor([0]), torch.tensor([5]),
+                        torch.tensor([False]))
+    topk = torch.full((1, 8, 8), 5)
+    topk[0, 0, 0] = 77
+    planner.observe(out, torch.ones(1, 8, dtype=torch.bool), topk, torch.zeros(1, 8, dtype=torch.int64),
+                    torch.tensor([1]), torch.tensor([0]))
+    # B's round with the same root
+    out_b = planner.build(dense_inputs(1, 2, 3, 100, 0, "cpu", torch.Generator().manual_seed(1))[0],
+                          torch.tensor([10]), planner.host_candidates(["b"]), torch.tensor([1]), torch.tensor([5]),
+                          torch.tensor([False]))
+    assert (77 in out_b.tree.tokens[0].tolist()) is leaks
+    # and A still sees its own continuation
+    out_a = planner.build(dense_inputs(1, 2, 3, 100, 0, "cpu", torch.Generator().manual_seed(2))[0],
+                          torch.tensor([10]), planner.host_candidates(["a"]), torch.tensor([0]), torch.tensor([5]),
+                          torch.tensor([False]))
+    assert 77 in out_a.tree.tokens[0].tolist()
+
+
+def test_group_map_reuses_the_least_recently_used_group_and_resets_it():
+    from graft_spec.pipeline import GroupMap
+
+    m = GroupMap(2)
+    assert m.get("x") == (0, True) and m.get("y") == (1, True) and m.get("x") == (0, False)
+    assert m.get("z") == (1, True)          # y was least recently used
+    m.release("x")
+    assert m.get("w") == (0, True)

@@ -408,3 +408,43 @@ def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
     assert 'graft:calibration_hits_total{member="suffix"} 1.0' in text
     assert 'graft:accepted_nodes_total{depth="1"} 2.0' in text
     assert 'graft:draft_forwards_total{outcome="skipped"} 1.0' in text
+
+
+# ------------------------------------------------------------------ ranks: one config, refusals
+def test_config_is_snapshotted_at_launch_and_shipped_to_every_rank(sglang_plugins, tmp_path, monkeypatch):
+    """The launcher reads the config file and GRAFTCFG_* once; a scheduler (any rank, any node)
+    rebuilds the same config from the pickled record even when its own file and environment differ."""
+    from sglang_patch.args import SNAPSHOT, effective_graft_config
+
+    f = tmp_path / "g.yaml"
+    f.write_text("retrieval: {suffix_max_depth: 40}\n")
+    monkeypatch.setenv("GRAFTCFG_RETRIEVAL__SUCCESSOR_K", "5")
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--graft-config", str(f)])
+    assert sa._graft_cli[SNAPSHOT]["file_data"] == {"retrieval": {"suffix_max_depth": 40}}
+    clone = pickle.loads(pickle.dumps(sa))
+    f.write_text("retrieval: {suffix_max_depth: 8}\n")                 # another node's file
+    monkeypatch.setenv("GRAFTCFG_RETRIEVAL__SUCCESSOR_K", "2")         # another node's environment
+    cfg = effective_graft_config(clone)
+    assert cfg.retrieval.suffix_max_depth == 40 and cfg.retrieval.successor_k == 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-accept-threshold-single", "0.9"], "speculative-accept-threshold-single"),
+    (["--speculative-accept-threshold-acc", "0.5"], "speculative-accept-threshold-acc"),
+    (["--attention-backend", "trtllm_mha"], "trtllm_mha"),
+    (["--page-size", "4", "--attention-backend", "torch_native"], "page-size 4"),
+])
+def test_combinations_that_cannot_verify_trees_losslessly_are_refused(sglang_plugins, argv, message):
+    from sglang_patch.args import GraftSettingsError
+
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", *argv])
+    with pytest.raises(GraftSettingsError, match=message):
+        _declared(sa, environ={})
+
+
+def test_dp_attention_is_refused_naming_the_flag():
+    from sglang_patch.args import GraftSettingsError, refuse_unsafe_combinations
+
+    with pytest.raises(GraftSettingsError, match="--enable-dp-attention"):
+        refuse_unsafe_combinations(SimpleNamespace(enable_dp_attention=True))
+    refuse_unsafe_combinations(SimpleNamespace(attention_backend="fa3", page_size=16))   # allowed

@@ -62,11 +62,14 @@ class _RecordingPlanner:
     def stop_request(self, rid):
         self.calls.append(("stop", rid))
 
-    def update(self, t, u, valid):
+    def update(self, t, u, valid, groups=0):
         self.calls.append(("observe", list(zip(t[valid].tolist(), u[valid][:, 0].tolist()))))
 
-    def warm_start(self, prev, nxt, valid):
+    def warm_start(self, prev, nxt, valid, groups=0):
         self.calls.append(("warm", list(zip(prev[valid].tolist(), nxt[valid].tolist()))))
+
+    def group_of(self, rid):
+        return 0
 
 
 def _bigram(vocab: int, seed: int) -> torch.Tensor:

@@ -64,7 +64,8 @@ class RequestTracker:
             del self._cursor[rid]
         prev: list[np.ndarray] = []
         nxt: list[np.ndarray] = []
-        warm: list[np.ndarray] = []
+        groups: list[np.ndarray] = []
+        warm: list[tuple[np.ndarray, int]] = []
         for i, rid in enumerate(req_ids):
             n = int(num_tokens[i])
             cur = self._cursor.get(rid)
@@ -72,22 +73,23 @@ class RequestTracker:
                 cur = min(int(num_prompt_tokens[i]), n)
                 self.planner.start_request(rid, token_ids[i, :cur].tolist())
                 if cur > 1:   # prompt bigrams warm-start empty successor rows
-                    warm.append(token_ids[i, :cur])
+                    warm.append((token_ids[i, :cur], self.planner.group_of(rid)))
             if n > cur:
                 self.planner.extend(rid, token_ids[i, cur:n].tolist())
                 lo = max(cur, 1)
                 if n > lo:
                     prev.append(token_ids[i, lo - 1:n - 1])
                     nxt.append(token_ids[i, lo:n])
+                    groups.append(np.full(n - lo, self.planner.group_of(rid), dtype=np.int64))
             self._cursor[rid] = max(n, cur)
         succ = self.planner.successor
-        for p in warm if succ is not None else []:
+        for p, g in warm if succ is not None else []:
             ids = torch.from_numpy(p.astype(np.int64))
-            succ.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool))
+            succ.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool), g)
         if prev and succ is not None:
             t = torch.from_numpy(np.concatenate(prev).astype(np.int64))
             u = torch.from_numpy(np.concatenate(nxt).astype(np.int64))
-            succ.update(t, u[:, None], torch.ones_like(t, dtype=torch.bool))
+            succ.update(t, u[:, None], torch.ones_like(t, dtype=torch.bool), torch.from_numpy(np.concatenate(groups)))
 
     def stop_all(self) -> None:
         """Free every request (engine shutdown / tests)."""

@@ -8,7 +8,8 @@ anchored at (the device compares it with its own committed length to re-anchor, 
 
 Layout of the staging tensor ``int64[max_batch, 5, M + 1]`` (one contiguous block per row):
 row 0 tokens, 1 parents (-1 = child of the anchor), 2 log-probabilities (float64 bit patterns),
-3 member source (-1 = empty slot), 4 match length; column M of row 0 holds the anchor length.
+3 member source (-1 = empty slot), 4 match length; column M holds the anchor length (row 0) and the
+request's successor-table isolation group (row 1).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class HostCandidates:
         match: ``int64[B, M]`` context tokens the proposal was matched on.
         anchor_len: ``int64[B]`` tokens of context (prompt + outputs) the host had seen; the anchor is
             the last of them.
+        group: ``int64[B]`` the request's successor-table isolation group.
     """
 
     tokens: torch.Tensor
@@ -43,6 +45,7 @@ class HostCandidates:
     member: torch.Tensor
     match: torch.Tensor
     anchor_len: torch.Tensor
+    group: torch.Tensor
 
     @property
     def width(self) -> int:
@@ -52,8 +55,9 @@ class HostCandidates:
     def empty(batch: int, width: int, device: torch.device | str = "cpu") -> "HostCandidates":
         """A batch without proposals (every slot empty, anchor length 0)."""
         z = torch.zeros(batch, width, dtype=torch.int64, device=device)
-        return HostCandidates(z, z - 1, torch.full((batch, width), -float("inf"), device=device), z - 1, z,
-                              torch.zeros(batch, dtype=torch.int64, device=device))
+        zb = torch.zeros(batch, dtype=torch.int64, device=device)
+        return HostCandidates(z, z - 1, torch.full((batch, width), -float("inf"), device=device), z - 1, z, zb,
+                              zb.clone())
 
 
 class HostCandidateBuffer:
@@ -66,7 +70,7 @@ class HostCandidateBuffer:
     """
 
     def __init__(self, max_batch: int, width: int, device: torch.device | str = "cpu"):
-        self.width, self.device = width, torch.device(device)
+        self.width, self.device = max(width, 0), torch.device(device)
         pin = self.device.type == "cuda"
         self.staging = torch.zeros(max(1, max_batch), 5, width + 1, dtype=torch.int64, pin_memory=pin)
         self._np = self.staging.numpy()
@@ -81,11 +85,12 @@ class HostCandidateBuffer:
         if batch > self.max_batch:
             self.__init__(batch, self.width, self.device)
 
-    def clear(self, row: int, anchor_len: int) -> None:
-        """Empty a row and set its anchor length."""
+    def clear(self, row: int, anchor_len: int, group: int = 0) -> None:
+        """Empty a row and set its anchor length and isolation group."""
         r = self._np[row]
         r[3, :] = -1
         r[0, self.width] = anchor_len
+        r[1, self.width] = group
 
     def put(self, row: int, offset: int, member: int, proposal: Proposal) -> int:
         """Write a proposal at columns ``offset ..`` of ``row`` (parents re-based); returns the number
@@ -110,4 +115,4 @@ class HostCandidateBuffer:
         m = self.width
         return HostCandidates(
             tokens=dev[:, 0, :m], parents=dev[:, 1, :m], logp=dev[:, 2, :m].view(torch.float64).float(),
-            member=dev[:, 3, :m], match=dev[:, 4, :m], anchor_len=dev[:, 0, m])
+            member=dev[:, 3, :m], match=dev[:, 4, :m], anchor_len=dev[:, 0, m], group=dev[:, 1, m])

@@ -1,8 +1,11 @@
 """Successor table (token recycling) as a device-resident retrieval source (paper Sec. 3.2, Eq. 9/12).
 
-State: ``table int32[V + 2, k]``; row t (t < V) = the target's top-k next tokens the last time token
-t was verified, -1 until then; row V stays all -1 (the row of an empty parent, so lookups need no
-masking); row V + 1 absorbs writes that must not land anywhere (never read).
+State: ``table int32[G, R + 2, k]``, one block of rows per isolation group (``retrieval.isolation``:
+one group shared by all requests, or one per tenant, or one per request; `GraftPlanner` assigns
+them). Row t of a group = the target's top-k next tokens the last time token t (t mod R when the
+group has fewer rows R than the vocabulary: hashed, for per-request groups) was verified in that
+group, -1 until then; row R stays all -1 (the row of an empty parent, so lookups need no masking);
+row R + 1 absorbs writes that must not land anywhere (never read).
 
 Proposal (`SuccessorTable.expand`): a fixed rank template rooted at the root token is filled one
 depth at a time (one gather per depth): template slot u with parent slot p and rank r gets token
@@ -73,9 +76,10 @@ class SuccessorTable:
     Args:
         vocab_size: V; k: successor width; max_depth: template depth cap; size: template slots T;
         prior, decay: template prior (the calibrator's prior for the slots, too);
+        groups: G isolation groups; rows: R rows per group (default V; fewer = hashed rows);
         device: where the table lives.
     Attributes:
-        table: ``int32[V + 2, k]`` (rows V and V + 1: see the module docstring).
+        table: ``int32[G * (R + 2), k]`` (per group: rows R and R + 1, see the module docstring).
         t_parent, t_rank, t_depth: ``int64[T]`` template (parent slot -1 = root).
         slot_prior: ``float32[T]``.
     """
@@ -83,11 +87,13 @@ class SuccessorTable:
     name = "successor"
 
     def __init__(self, vocab_size: int, k: int = 8, max_depth: int = 8, size: int = 64, prior: float = 0.4,
-                 decay: float = 0.5, device: torch.device | str = "cpu"):
-        if vocab_size < 2 or k < 1 or size < 1:
-            raise ValueError("SuccessorTable: vocab_size >= 2, k >= 1 and size >= 1 required")
+                 decay: float = 0.5, groups: int = 1, rows: int | None = None, device: torch.device | str = "cpu"):
+        if vocab_size < 2 or k < 1 or size < 1 or groups < 1:
+            raise ValueError("SuccessorTable: vocab_size >= 2, k >= 1, size >= 1 and groups >= 1 required")
         self.vocab_size, self.k, self.device = vocab_size, k, torch.device(device)
-        self.table = torch.full((vocab_size + 2, k), -1, dtype=torch.int32, device=self.device)
+        self.rows = min(rows or vocab_size, vocab_size)
+        self.groups = groups
+        self.table = torch.full((groups * (self.rows + 2), k), -1, dtype=torch.int32, device=self.device)
         par, rk, dep = rank_template(k, size, max_depth, prior, decay)
         self.size = len(par)
         self.t_parent = torch.tensor(par, dtype=torch.int64, device=self.device)
@@ -105,37 +111,44 @@ class SuccessorTable:
     def memory_bytes(self) -> int:
         return self.table.numel() * self.table.element_size()
 
+    def row_of(self, tokens: torch.Tensor, groups: torch.Tensor | int = 0) -> torch.Tensor:
+        """Table row of ``tokens`` in ``groups`` (broadcast); invalid tokens map to the group's empty row."""
+        g = torch.as_tensor(groups, device=self.device).to(torch.int64) if not isinstance(groups, torch.Tensor) \
+            else groups.to(torch.int64)
+        ok = (tokens >= 0) & (tokens < self.vocab_size)
+        return g * (self.rows + 2) + torch.where(ok, tokens % self.rows, self.rows)
+
+    def reset_group(self, group: int) -> None:
+        """Forget everything a group learnt (a group reassigned to a new tenant / request)."""
+        self.table.view(self.groups, self.rows + 2, self.k)[group].fill_(-1)
+
     # ------------------------------------------------------------------ proposal
-    def expand(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, roots: torch.Tensor, groups: torch.Tensor | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the template under every root token, one gather per template depth.
 
         Args:
-            roots: ``int64[B]`` root tokens.
+            roots: ``int64[B]`` root tokens; groups: ``int64[B]`` isolation group per row (or one int).
         Returns:
             ``(tokens int64[B, T], valid bool[B, T])``; a slot is invalid when its table entry (or an
             ancestor's) is empty. Parents are `t_parent` (shared by all rows).
         """
         b = roots.shape[0]
-        v, k = self.vocab_size, self.k
-        root = roots.to(self.device, torch.int64).reshape(b, 1)
-        root = torch.where((root < 0) | (root >= v), v, root)
+        k = self.k
+        g = groups.reshape(b, 1) if isinstance(groups, torch.Tensor) else groups
+        root_row = self.row_of(roots.to(self.device, torch.int64).reshape(b, 1), g)
         flat = self.table.view(-1)
         toks = torch.full((b, self.size), -1, dtype=torch.int64, device=self.device)
         for d, (idx, par, rk) in enumerate(self._levels):
-            if d == 0:
-                ptok = root.expand(b, idx.numel())
-            else:
-                pt = toks[:, par]
-                ptok = torch.where(pt < 0, v, pt)
-            toks[:, idx] = flat[ptok * k + rk].to(torch.int64)   # rows of empty parents are -1
+            prow = root_row.expand(b, idx.numel()) if d == 0 else self.row_of(toks[:, par], g)
+            toks[:, idx] = flat[prow * k + rk].to(torch.int64)   # rows of empty parents are -1
         return toks.clamp(min=0), toks >= 0
 
     # ------------------------------------------------------------------ updates
     def _last_writer(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``rows`` with every entry but the last occurrence of each row (and invalid entries)
-        redirected to the dump row V + 1 (a stable sort; no host read)."""
+        redirected to the dump row (a stable sort; no host read)."""
         m = rows.shape[0]
-        dump = self.vocab_size + 1
+        dump = self.rows + 1                        # group 0's dump row: never read
         key = torch.where(valid, rows, dump) * (m + 1) + torch.arange(m, device=rows.device)
         order = torch.argsort(key)
         srt = torch.where(valid, rows, dump)[order]
@@ -143,7 +156,11 @@ class SuccessorTable:
         out = torch.full_like(rows, dump)
         return out.scatter_(0, order, torch.where(last, srt, dump))
 
-    def update(self, node_tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor) -> None:
+    def _keep_empty_rows(self) -> None:
+        self.table.view(self.groups, self.rows + 2, self.k)[:, self.rows].fill_(-1)
+
+    def update(self, node_tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
+               groups: torch.Tensor | int = 0) -> None:
         """Overwrite the rows of verified nodes with the target's top-k (paper Eq. 12/14).
 
         Args:
@@ -151,24 +168,27 @@ class SuccessorTable:
             topk_ids: ``int64[M, k']`` the target's top-k after each of them, best first; k' > k is
                 truncated, k' < k leaves the remaining ranks at -1.
             valid: ``bool[M]`` nodes to learn from (non-padding, in-vocabulary).
+            groups: ``int64[M]`` isolation group of each node (or one int).
         """
         toks = node_tokens.reshape(-1).to(self.device, torch.int64)
         ok = valid.reshape(-1).to(self.device) & (toks >= 0) & (toks < self.vocab_size)
-        rows = self._last_writer(toks.clamp(0, self.vocab_size), ok)
+        rows = self._last_writer(self.row_of(toks, groups if not isinstance(groups, torch.Tensor)
+                                             else groups.reshape(-1)), ok)
         new = torch.full((toks.shape[0], self.k), -1, dtype=torch.int32, device=self.device)
         kk = min(self.k, topk_ids.shape[-1])
         new[:, :kk] = topk_ids.reshape(toks.shape[0], -1)[:, :kk].to(torch.int32)
         self.table.index_copy_(0, rows, new)
-        self.table[self.vocab_size].fill_(-1)  # the empty-parent row stays empty
+        self._keep_empty_rows()
 
-    def warm_start(self, prev: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor) -> None:
-        """Prompt bigrams ``(prev, nxt)``: where row ``prev`` is still empty, set its rank 0 to ``nxt``
-        (the last bigram of a repeated ``prev`` wins). All ``[L]``."""
+    def warm_start(self, prev: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor,
+                   groups: torch.Tensor | int = 0) -> None:
+        """Prompt bigrams ``(prev, nxt)``: where row ``prev`` of the group is still empty, set its rank
+        0 to ``nxt`` (the last bigram of a repeated ``prev`` wins). All ``[L]``."""
         a = prev.reshape(-1).to(self.device, torch.int64)
         b = nxt.reshape(-1).to(self.device, torch.int64)
         ok = valid.reshape(-1).to(self.device) & (a >= 0) & (a < self.vocab_size) & (b >= 0) & (b < self.vocab_size)
-        a_safe = a.clamp(0, self.vocab_size - 1)
-        ok = ok & (self.table[a_safe, 0] < 0)
-        rows = self._last_writer(a_safe, ok)
+        row = self.row_of(a, groups if not isinstance(groups, torch.Tensor) else groups.reshape(-1))
+        ok = ok & (self.table[row, 0] < 0)
+        rows = self._last_writer(row, ok)
         self.table[:, 0].index_copy_(0, rows, b.to(torch.int32))
-        self.table[self.vocab_size].fill_(-1)
+        self._keep_empty_rows()
