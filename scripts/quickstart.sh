@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# The README's main-job command: on a fresh CPU machine, install, make the quick models, serve Graft
-# with SGLang, send real prompts, print the outputs and the mean accept length, stop the server.
+# The README's main-job command: on a fresh CPU machine, install, serve the shipped model pair
+# (models/default: a 12.6M-parameter Qwen3 target and its EAGLE-3 head, no training) with Graft and
+# without speculation, print sampled completions as text, check the greedy outputs are identical to
+# no speculation, and report tau, the grafted share and the tokens/s ratio. Stops both servers.
 #
 #   bash scripts/quickstart.sh
 #
-# Knobs (environment): GRAFT_VENV (venv, default ./.venv), QUICKSTART_MODELS (default models/quick),
+# Knobs (environment): GRAFT_VENV (venv, default ./.venv), QUICKSTART_MODELS (default models/default),
 # QUICKSTART_PROMPTS (JSONL, default data/humaneval_dev.jsonl), QUICKSTART_N (prompts, 8),
-# QUICKSTART_MAX_NEW_TOKENS (96), QUICKSTART_PORT (free port), QUICKSTART_GRAFT_CONFIG (default
-# configs/quick.yaml), QUICKSTART_ARGS (extra server flags, e.g. "--graft-retrieval suffix").
-# --dtype float32: SGLang would otherwise run the float32 quick models in float16.
+# QUICKSTART_MAX_NEW_TOKENS (96), QUICKSTART_GRAFT_CONFIG (default configs/default.yaml),
+# QUICKSTART_ARGS (extra graft server flags, e.g. "--graft-retrieval suffix").
+# --dtype float32: the bf16 checkpoints run in float32, so speculation and plain decoding round alike.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="${GRAFT_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
-MODELS="${QUICKSTART_MODELS:-$ROOT/models/quick}"
+MODELS="${QUICKSTART_MODELS:-$ROOT/models/default}"
 PROMPTS="${QUICKSTART_PROMPTS:-$ROOT/data/humaneval_dev.jsonl}"
 N="${QUICKSTART_N:-8}"
 MAX_NEW="${QUICKSTART_MAX_NEW_TOKENS:-96}"
@@ -25,59 +27,64 @@ if [ ! -x "$PY" ]; then
   bash scripts/install_cpu.sh
 fi
 
-# 2. Small real models (reused when complete: the DONE marker is written last).
+# 2. The shipped pair (built by scripts/make_models.py, packed by scripts/ship_models.py).
 if [ ! -f "$MODELS/DONE" ]; then
-  echo "quickstart: making the quick models in $MODELS"
-  "$PY" scripts/make_models.py --quick --out "$MODELS"
-fi
-
-# 3. The Graft server on loopback, in its own process group; always stopped on exit.
-PORT="${QUICKSTART_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}"
-LOG="${TMPDIR:-/tmp}/graft_quickstart_${PORT}.log"
-SERVER_PID=""
-stop_server() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-  fi
-}
-trap stop_server EXIT INT TERM
-
-# shellcheck disable=SC2086
-setsid "$PY" -m sglang.launch_server \
-  --model-path "$MODELS/target" \
-  --speculative-algorithm graft \
-  --speculative-draft-model-path "$MODELS/draft" \
-  --graft-config "${QUICKSTART_GRAFT_CONFIG:-$ROOT/configs/quick.yaml}" \
-  --dtype float32 --device cpu --attention-backend torch_native --disable-cuda-graph \
-  --mem-fraction-static 0.5 --max-total-tokens 65536 --sleep-on-idle \
-  --host 127.0.0.1 --port "$PORT" ${QUICKSTART_ARGS:-} >"$LOG" 2>&1 &
-SERVER_PID=$!
-disown "$SERVER_PID" 2>/dev/null || true  # stop_server reaps it; no "Killed" job report
-echo "quickstart: server pid $SERVER_PID on 127.0.0.1:$PORT (log: $LOG)"
-
-for _ in $(seq 1 600); do
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "quickstart: the server exited during startup; last log lines:" >&2
-    tail -n 40 "$LOG" >&2
-    exit 1
-  fi
-  if "$PY" - "$PORT" <<'PY' 2>/dev/null; then break; fi
-import sys, httpx
-sys.exit(0 if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health_generate", timeout=30).status_code == 200 else 1)
-PY
-  sleep 1
-done
-if ! "$PY" -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health', timeout=10).status_code != 200)"; then
-  echo "quickstart: server not healthy; last log lines:" >&2
-  tail -n 40 "$LOG" >&2
+  echo "quickstart: no models in $MODELS (the repository ships models/default;" \
+       "make one with: $PY scripts/make_models.py --out $MODELS)" >&2
   exit 1
 fi
-grep -m1 "graft worker ready" "$LOG" || true
 
-# 4. Real prompts, outputs, accept lengths.
-"$PY" scripts/quickstart_client.py --url "http://127.0.0.1:$PORT" --prompts "$PROMPTS" \
-  --n "$N" --max-new-tokens "$MAX_NEW"
-echo "quickstart: per-request graft lines from the server log:"
-grep "graft request" "$LOG" | tail -n "$N" || true
+# 3. Two servers on loopback, each in its own process group, always stopped on exit: Graft and the
+#    same target without speculation (the reference for the greedy check and the tokens/s ratio).
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+PIDS=()
+stop_servers() {
+  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  done
+}
+trap stop_servers EXIT INT TERM
+CPU_ARGS=(--dtype float32 --device cpu --attention-backend torch_native --disable-cuda-graph
+          --mem-fraction-static 0.5 --max-total-tokens 65536 --sleep-on-idle --random-seed 0)
+start_server() {  # name port args...
+  local name=$1 port=$2; shift 2
+  local log="${TMPDIR:-/tmp}/graft_quickstart_${name}_${port}.log"
+  setsid "$PY" -m sglang.launch_server --model-path "$MODELS/target" "${CPU_ARGS[@]}" \
+    --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
+  PIDS+=($!)
+  disown $! 2>/dev/null || true  # stop_servers reaps it; no "Killed" job report
+  echo "quickstart: $name server pid $! on 127.0.0.1:$port (log: $log)"
+}
+wait_healthy() {  # name port
+  local pid=${PIDS[$3]} log="${TMPDIR:-/tmp}/graft_quickstart_$1_$2.log"
+  for _ in $(seq 1 600); do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "quickstart: the $1 server exited during startup; last log lines:" >&2
+      tail -n 40 "$log" >&2
+      exit 1
+    fi
+    if "$PY" -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$2/health_generate', timeout=30).status_code != 200)" 2>/dev/null; then
+      return 0
+    fi
+    sleep 1
+  done
+  echo "quickstart: the $1 server never became healthy; last log lines:" >&2
+  tail -n 40 "$log" >&2
+  exit 1
+}
+GRAFT_PORT="$(free_port)"
+REF_PORT="$(free_port)"
+# shellcheck disable=SC2086
+start_server graft "$GRAFT_PORT" --speculative-algorithm graft \
+  --speculative-draft-model-path "$MODELS/draft" \
+  --graft-config "${QUICKSTART_GRAFT_CONFIG:-$ROOT/configs/default.yaml}" ${QUICKSTART_ARGS:-}
+start_server nospec "$REF_PORT"
+wait_healthy graft "$GRAFT_PORT" 0
+wait_healthy nospec "$REF_PORT" 1
+grep -m1 "graft worker ready" "${TMPDIR:-/tmp}/graft_quickstart_graft_${GRAFT_PORT}.log" || true
+
+# 4. Text, the greedy check against no speculation, tau, grafted share, tokens/s ratio.
+"$PY" scripts/quickstart_client.py --url "http://127.0.0.1:$GRAFT_PORT" \
+  --reference-url "http://127.0.0.1:$REF_PORT" --prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW"

@@ -332,6 +332,10 @@ class GraftWorker(EAGLEWorkerV2):
         group = self.tp_group()
         if rank is None or group is None or int(rank) != group.rank_in_group:
             return host, draft
+        if not getattr(self, "_fault_noted", False):
+            self._fault_noted = True
+            logger.warning("%s=%s: TP rank %s scrambles its own host proposals and draft scores "
+                           "(fault injection for tests)", FAULT_ENV, rank, rank)
         host = dataclasses.replace(host, tokens=host.tokens.flip(1))
         draft.logq = draft.logq.flip(1)
         return host, draft

@@ -49,7 +49,10 @@ def test_presets_load_and_match_paper_shape():
         GraftConfig.from_file(p)
     q = GraftConfig.from_file(CONFIGS / "qwen3-8b.yaml")
     assert (q.num_draft_tokens, q.depth, q.topk) == (60, 7, 10)
-    assert [s.keep for s in q.checkpoints] == [8, 24, 40]
+    assert q.checkpoints == ()  # out of the box: calibrated expected-gain selection
+    paper = GraftConfig.from_file(CONFIGS / "qwen3-8b-paper.yaml")
+    assert (paper.num_draft_tokens, paper.depth, paper.topk) == (60, 7, 10)
+    assert [s.keep for s in paper.checkpoints] == [8, 24, 40]
     quick = GraftConfig.from_file(CONFIGS / "quick.yaml")
     assert quick.num_draft_tokens <= 32
 

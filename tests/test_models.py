@@ -291,3 +291,48 @@ def test_default_preset_target_is_10_to_25m_parameters():
     model = init_model(build_config(DEFAULT.target, DEFAULT.vocab_size, ids), 0)
     params = sum(p.numel() for p in model.parameters())
     assert 10e6 <= params <= 25e6, params
+
+
+# ----------------------------------------------------------------------------- the shipped pair
+
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "default"
+
+
+def test_shipped_pair_manifest_matches_its_files():
+    """models/default is in git (scripts/ship_models.py): the manifest lists exactly the shipped files,
+    every sha256 and size matches, the weights are bfloat16 and the whole pair is at most 60 MiB."""
+    from ship_models import MANIFEST, sha256, shipped_files
+
+    manifest = json.loads((SHIPPED / MANIFEST).read_text())
+    assert set(manifest["files"]) == {str(f) for f in shipped_files(SHIPPED)}
+    bad = [f for f, meta in manifest["files"].items()
+           if sha256(SHIPPED / f) != meta["sha256"] or (SHIPPED / f).stat().st_size != meta["bytes"]]
+    assert not bad, f"files differ from the manifest: {bad}"
+    assert sum(m["bytes"] for m in manifest["files"].values()) <= 60 * 2**20
+    for part in ("target", "draft"):
+        dtypes = {t.dtype for t in load_file(SHIPPED / part / "model.safetensors").values() if t.is_floating_point()}
+        assert dtypes == {torch.bfloat16}, (part, dtypes)
+    assert manifest["command"].startswith("python scripts/make_models.py")
+
+
+@pytest.mark.server
+@pytest.mark.models
+def test_sglang_serves_the_shipped_pair_losslessly():
+    """SGLang on CPU loads the shipped bf16 pair (run in float32): graft's greedy output equals the
+    no-speculation output on 8 dev code prompts, with accept length > 1."""
+    from sglang_server import accept_length, generate_many, serve
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+    rows = [json.loads(x) for x in (SHIPPED.parents[1] / "data" / "humaneval_dev.jsonl").read_text().splitlines()]
+    prompts = [tok.encode(r["prompt"], add_special_tokens=False)[-192:] for r in rows[:8]]
+    common = ["--dtype", "float32", "--random-seed", "0"]
+    with serve(SHIPPED / "target", common, name="shipped_ref") as srv:
+        ref = [o["output_ids"] for o in generate_many(srv.url, prompts, max_new_tokens=64)]
+    graft = ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(SHIPPED / "draft"),
+             "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "24"]
+    with serve(SHIPPED / "target", [*common, *graft], name="shipped_graft") as srv:
+        outs = generate_many(srv.url, prompts, concurrency=4, max_new_tokens=64)
+    assert [o["output_ids"] for o in outs] == ref
+    print(f"\nshipped pair: graft accept length {accept_length(outs):.3f}")
+    assert accept_length(outs) > 1.0

@@ -118,7 +118,7 @@ DEFAULT = SizeSpec(
         intermediate_size=1024,
         seq_len=256,
         batch_size=16,
-        steps=2700,
+        steps=1200,
         lr=4e-3,
     ),
     draft=DraftSpec(
@@ -130,7 +130,7 @@ DEFAULT = SizeSpec(
         ttt_steps=3,
         seq_len=256,
         batch_size=8,
-        steps=1000,
+        steps=500,
         lr=3e-3,
     ),
     eval_tokens=65_536,

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 #: Share of the budget N kept as draft nodes at each paper checkpoint (8 / 24 / 40 of 60).
 STAGE_KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
-#: The third-party reimplementation's thresholds (configs/qwen3-8b.yaml); small heads need their own.
+#: The third-party reimplementation's thresholds (configs/qwen3-8b-paper.yaml); small heads need their own.
 STAGE_THRESHOLDS = (0.35, 0.25, 0.15)
 METHODS = ("nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft", "graft_paper")
 _GRAFT_EXTRA = {

@@ -1,0 +1,132 @@
+"""Tensor parallelism on CPU (``--tp-size 2``, gloo), fp32, quick models: every speculative method
+against the single-rank target without speculation.
+
+What must hold (issue 14):
+* graft, EAGLE3 and NGRAM at TP 2 give, greedily, token for token the single-rank no-speculation
+  outputs for 24 HumanEval prompts at concurrency 1 and 8;
+* with one rank's retrieval state deliberately perturbed (``GRAFT_FAULT_PERTURB_RANK=1``: rank 1 reverses
+  its host proposals and its draft scores before every tree build) both ranks still verify
+  rank 0's tree: outputs equal no-spec and nothing hangs (the test's timeout bounds it; without the
+  tree broadcast the vocab-parallel embedding mixes two trees and the ranks deadlock);
+* tenant isolation on a real server: tenant A's repeated text raises tenant B's acceptance with
+  ``retrieval.isolation: shared`` and not with ``tenant`` (the tenant is the request's ``extra_key``).
+
+Each TP rank runs one OpenMP thread on its own core (``SGLANG_CPU_OMP_THREADS_BIND="0|1"``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_server import REQUEST_TIMEOUT_S, accept_length, generate_many, serve  # noqa: E402
+from test_sglang_graft_server import CODE, COMMON, GRAFT, MAX_NEW, N_PROMPTS, QUICK, SHAPE  # noqa: E402
+
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.models,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(not (QUICK / "DONE").exists(), reason="quick models missing: scripts/make_models.py --quick"),
+]
+
+TP2 = ["--tp-size", "2"]
+TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
+EAGLE3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(QUICK / "draft"), *SHAPE]
+NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "24"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Single-rank greedy output ids without speculation (concurrency 1)."""
+    assert len(CODE) == N_PROMPTS
+    with serve(QUICK / "target", COMMON, name="tp_ref") as srv:
+        return [o["output_ids"] for o in generate_many(srv.url, CODE, concurrency=1, max_new_tokens=MAX_NEW)]
+
+
+def _tp_run(args: list[str], name: str, env: dict | None = None) -> dict[int, list[dict]]:
+    """Outputs of a TP-2 server at concurrency 1 and 8."""
+    with serve(QUICK / "target", [*COMMON, *TP2, *args], name=name, env={**TP_ENV, **(env or {})}) as srv:
+        return {c: generate_many(srv.url, CODE, concurrency=c, max_new_tokens=MAX_NEW) for c in (1, 8)}
+
+
+def _check_equal(runs: dict[int, list[dict]], reference: list[list[int]], speculative: bool = True) -> None:
+    for c, outs in runs.items():
+        bad = [i for i, (o, r) in enumerate(zip(outs, reference)) if o["output_ids"] != r]
+        assert not bad, f"concurrency {c}: prompts {bad} differ from the single-rank no-spec output"
+        if speculative:
+            print(f"\nTP2 concurrency {c}: accept length {accept_length(outs):.3f}")
+
+
+def test_tp2_without_speculation_equals_single_rank(reference):
+    """The CPU TP layer itself (gloo all-reduce of row/column-parallel layers) is exact in fp32."""
+    _check_equal(_tp_run([], "tp_nospec"), reference, speculative=False)
+
+
+def test_tp2_graft_equals_single_rank_no_spec(reference):
+    runs = _tp_run(GRAFT, "tp_graft")
+    _check_equal(runs, reference)
+    assert accept_length(runs[1]) > 1.5
+
+
+def test_tp2_eagle3_equals_single_rank_no_spec(reference):
+    _check_equal(_tp_run(EAGLE3, "tp_eagle3"), reference)
+
+
+def test_tp2_ngram_equals_single_rank_no_spec(reference):
+    _check_equal(_tp_run(NGRAM, "tp_ngram"), reference)
+
+
+@pytest.mark.timeout(900)
+def test_tp2_graft_with_one_rank_perturbed_still_verifies_rank0s_tree(reference):
+    with serve(QUICK / "target", [*COMMON, *TP2, *GRAFT], name="tp_graft_perturbed",
+               env={**TP_ENV, "GRAFT_FAULT_PERTURB_RANK": "1"}) as srv:
+        outs = generate_many(srv.url, CODE, concurrency=8, max_new_tokens=MAX_NEW)
+        log = srv.log_tail(200_000)
+    bad = [i for i, (o, r) in enumerate(zip(outs, reference)) if o["output_ids"] != r]
+    assert not bad, f"prompts {bad} differ from no-spec with rank 1 perturbed"
+    assert "GRAFT_FAULT_PERTURB_RANK" in log, "the fault was not injected (no notice in the server log)"
+    assert accept_length(outs) > 1.5
+
+
+# ----------------------------------------------------------------------------- tenant isolation
+
+#: The shipped pair (models/default, in git): the quick target's greedy text is so repetitive that its
+#: own prompt already predicts all of it, so another tenant's text could not change anything there.
+SHIPPED = QUICK.parent / "default"
+ISOLATION_PROMPTS = 4
+
+
+def _tenant_b_rounds(isolation: str) -> tuple[int, int]:
+    """(tenant A's, tenant B's) verify rounds over the prompts: for each prompt A generates twice, then
+    B once with the same prompt, under ``isolation`` (suffix index and lookup off, so only the
+    successor table can carry A's text to B)."""
+    env = {"GRAFTCFG_RETRIEVAL__ISOLATION": isolation, "GRAFTCFG_RETRIEVAL__SUFFIX": "false",
+           "GRAFTCFG_RETRIEVAL__LOOKUP": "false"}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+    rows = [json.loads(x) for x in (QUICK.parents[1] / "data" / "humaneval_dev.jsonl").read_text().splitlines()]
+    prompts = [tok.encode(r["prompt"], add_special_tokens=False)[-192:] for r in rows[:ISOLATION_PROMPTS]]
+    graft = ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(SHIPPED / "draft"), *SHAPE]
+    rounds = {"a": 0, "b": 0}
+    with serve(SHIPPED / "target", [*COMMON, *graft], name=f"isolation_{isolation}", env=env) as srv:
+        for ids in prompts:
+            for tenant in ("a", "a", "b"):
+                body = {"input_ids": ids, "extra_key": tenant,
+                        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0}}
+                r = httpx.post(f"{srv.url}/generate", json=body, timeout=REQUEST_TIMEOUT_S)
+                r.raise_for_status()
+                rounds[tenant] += r.json()["meta_info"]["spec_verify_ct"]
+    return rounds["a"], rounds["b"]
+
+
+@pytest.mark.skipif(not (SHIPPED / "DONE").exists(), reason="the shipped pair models/default is missing")
+def test_tenant_isolation_keeps_tenant_as_text_from_tenant_bs_tree():
+    shared, tenant = _tenant_b_rounds("shared"), _tenant_b_rounds("tenant")
+    print(f"\nISOLATION verify rounds (tenant A twice, tenant B once per prompt): shared {shared}, tenant {tenant}")
+    assert shared[1] < tenant[1], "with a shared successor table tenant A's text should shorten tenant B's decode"
