@@ -131,59 +131,51 @@ def markdown_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _panels_figure(rows: List[Dict[str, Any]], panels: List[tuple], keep, x: str, y: str, title: str,
+                   xlabel: str, ylabel: str, path: Path, log2_x: bool = False) -> str:
+    """One PNG with a panel per (prompt set, mode): ``y`` against ``x`` per method over the rows
+    ``keep(row)`` selects. Returns the file path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (ps, mode) in zip(axes[0], panels):
+        sel = [r for r in rows if (r.get("prompt_set"), r.get("mode")) == (ps, mode) and keep(r)]
+        for method in sorted({r["method"] for r in sel}):
+            pts = sorted((r[x], r[y]) for r in sel if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_title(title.format(ps=ps, mode=mode))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if log2_x:
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def write_plots(rows: List[Dict[str, Any]], out_dir: Path, stem: str = "bench") -> List[str]:
     """PNG plots: tau vs N per method (one panel per prompt set x mode, lowest concurrency), and
     tokens/s vs concurrency per method (largest N) when several concurrencies ran.
 
     Returns the written file paths.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    c_min = min(r["concurrency"] for r in rows)
     panels = sorted({(r.get("prompt_set"), r.get("mode")) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, (ps, mode) in zip(axes[0], panels):
-        sel = [r for r in rows if r["concurrency"] == c_min and (r.get("prompt_set"), r.get("mode")) == (ps, mode)
-               and r["num_draft_tokens"]]
-        for method in sorted({r["method"] for r in sel}):
-            pts = sorted((r["num_draft_tokens"], r["tau"]) for r in sel if r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-        ax.set_title(f"{ps}, {mode}")
-        ax.set_xlabel("verify budget N")
-        ax.set_ylabel("tau (tokens / verify step)")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    p = out_dir / f"{stem}_tau_vs_n.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(str(p))
-
+    c_min = min(r["concurrency"] for r in rows)
+    paths = [_panels_figure(rows, panels, lambda r: r["concurrency"] == c_min and r["num_draft_tokens"],
+                            "num_draft_tokens", "tau", "{ps}, {mode}", "verify budget N",
+                            "tau (tokens / verify step)", out_dir / f"{stem}_tau_vs_n.png")]
     if len({r["concurrency"] for r in rows}) > 1:
         n_max = max(r["num_draft_tokens"] or 0 for r in rows)
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-        for ax, (ps, mode) in zip(axes[0], panels):
-            sel = [r for r in rows if (r.get("prompt_set"), r.get("mode")) == (ps, mode)
-                   and r["num_draft_tokens"] in (None, n_max)]
-            for method in sorted({r["method"] for r in sel}):
-                pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in sel if r["method"] == method)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-            ax.set_title(f"{ps}, {mode}, N={n_max}")
-            ax.set_xlabel("concurrency")
-            ax.set_ylabel("tokens / s")
-            ax.set_xscale("log", base=2)
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        p = out_dir / f"{stem}_tokens_vs_concurrency.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(str(p))
+        paths.append(_panels_figure(rows, panels, lambda r: r["num_draft_tokens"] in (None, n_max),
+                                    "concurrency", "tokens_per_s", f"{{ps}}, {{mode}}, N={n_max}", "concurrency",
+                                    "tokens / s", out_dir / f"{stem}_tokens_vs_concurrency.png", log2_x=True))
     return paths
 
 
