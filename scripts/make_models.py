@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Build the small real models graft-spec tests, quickstart and benchmarks run on.
 
-    python scripts/make_models.py [--quick] [--out DIR] [--device cpu] [--seed N] [--threads N] [--compile]
+    python scripts/make_models.py [--quick | --preset quick|default|gpu] [--out DIR] [--device cpu]
+        [--seed N] [--threads N] [--compile] [--stages tokenizer,data,...]
 
-Writes, under ``--out`` (default ``models/quick`` or ``models/default`` in the repository):
+Writes, under ``--out`` (default ``models/quick``; ``models/default``, the shipped pair, for ``gpu``;
+``models/default-cpu`` for the CPU ``default`` preset):
 
 * ``target/``  a ``Qwen3ForCausalLM`` checkpoint (safetensors, float32, tokenizer, chat template)
 * ``draft/``   its EAGLE-3 head (``LlamaForCausalLMEagle3`` layout, as public EAGLE-3 heads)
@@ -11,7 +13,10 @@ Writes, under ``--out`` (default ``models/quick`` or ``models/default`` in the r
 * ``DONE``     written last; its presence means every file above is complete.
 
 Stages (tokenizer, data, target, draft, eval) are resumable: a stage whose marker in ``.stages/``
-matches the current settings (and its upstream stages) is skipped. See docs/models.md.
+matches the current settings (and its upstream stages) is skipped. ``--stages`` runs only the named
+stages and takes the others' outputs as they are (e.g. corpus stages on a machine with the registry,
+training stages on a GPU machine with the ``data/`` and ``tokenizer/`` folders copied over). On CUDA
+the forward passes run under bf16 autocast (float32 weights and optimiser). See docs/models.md.
 """
 
 from __future__ import annotations
@@ -47,14 +52,18 @@ from modelmaking.tokenizer import save_tokenizer, special_ids, train_tokenizer  
 from modelmaking.train_draft import choose_draft_vocab, init_draft, train_draft  # noqa: E402
 
 STAGES = ("tokenizer", "data", "target", "draft", "eval")
+#: stages that read the corpus (the interpreter's standard library and the registry's sdists)
+CORPUS_STAGES = ("tokenizer", "data")
 
 
 class Builder:
     """Runs the stages into ``out`` with markers in ``out/.stages/<stage>.json``."""
 
-    def __init__(self, out: Path, spec: SizeSpec, seed: int, device: str, compile_model: bool):
+    def __init__(self, out: Path, spec: SizeSpec, seed: int, device: str, compile_model: bool,
+                 stages: tuple[str, ...] = STAGES):
         self.out, self.spec, self.seed, self.device = out, spec, seed, device
         self.compile = compile_model
+        self.stages = stages
         self.markers = out / ".stages"
         self.markers.mkdir(parents=True, exist_ok=True)
         self._corpus = None
@@ -71,25 +80,38 @@ class Builder:
             "data": ("max_train_chars", "packages"),
             "target": ("target",),
             "draft": ("draft",),
-            "eval": ("eval_tokens", "greedy_prompts", "greedy_prompt_len", "greedy_new_tokens"),
+            "eval": ("eval_tokens", "eval_seq_len", "greedy_prompts", "greedy_prompt_len", "greedy_new_tokens"),
         }[stage]
         parts = {
             "stage": stage,
             "spec": {k: spec[k] for k in relevant},
             "seed": self.seed,
-            "python": platform.python_version(),
-            "stdlib": str(corpus_mod.stdlib_root()),
             "format": 1,
         }
+        if stage in CORPUS_STAGES:  # later stages see the corpus only through the upstream markers
+            parts.update(python=platform.python_version(), stdlib=str(corpus_mod.stdlib_root()))
+        if stage == "data":
+            parts["corpus_version"] = corpus_mod.CORPUS_VERSION
         for up in STAGES[:idx]:
             marker = self.markers / f"{up}.json"
             parts[f"upstream_{up}"] = hashlib.sha1(marker.read_bytes()).hexdigest() if marker.exists() else None
         return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
     def done(self, stage: str, outputs: list[Path]) -> dict | None:
-        """The stage's marker if it is complete for the current settings, else None."""
+        """The stage's marker if it is complete for the current settings, else None. A stage left out
+        of ``--stages`` is taken as it is (its marker and outputs must exist).
+
+        Raises:
+            SystemExit: a stage left out of ``--stages`` has no marker or misses an output.
+        """
         marker = self.markers / f"{stage}.json"
-        if not marker.exists() or not all(p.exists() for p in outputs):
+        complete = marker.exists() and all(p.exists() for p in outputs)
+        if stage not in self.stages:
+            if not complete:
+                raise SystemExit(f"make_models: stage {stage!r} is not in --stages but {self.out} has no "
+                                 f"complete output of it ({marker}, {[str(p) for p in outputs]})")
+            return json.loads(marker.read_text())
+        if not complete:
             return None
         data = json.loads(marker.read_text())
         return data if data.get("fingerprint") == self.fingerprint(stage) else None
@@ -180,7 +202,8 @@ class Builder:
         model = init_model(build_config(spec, tok.get_vocab_size(), ids), self.seed).to(self.device)
         n_params = sum(p.numel() for p in model.parameters())
         tqdm.write(f"target: {n_params / 1e6:.2f}M parameters, {spec.steps} steps of "
-                   f"{spec.batch_size}x{spec.seq_len} tokens")
+                   f"{spec.batch_size}x{spec.seq_len} tokens ({spec.steps * spec.batch_size * spec.seq_len / 1e6:.0f}M "
+                   f"tokens, {spec.steps * spec.batch_size * spec.seq_len / max(1, train.size):.1f} epochs)")
         stats = train_target(model, spec, train, self.seed, self.compile, device=self.device)
         model = model.cpu()
         tmp = self.staging("target")
@@ -225,15 +248,16 @@ class Builder:
         t0 = time.perf_counter()
         self._cpu0 = time.process_time()
         evals = np.load(self.out / "data" / "eval.npy")
-        target = load_target(self.out / "target")
+        target = load_target(self.out / "target").to(self.device)
         draft, layer_ids = load_draft(self.out / "draft", target.get_input_embeddings().weight.detach())
-        lm = heldout_loss(target, evals, self.spec.target.seq_len, self.spec.eval_tokens)
+        draft = draft.to(self.device)
+        lm = heldout_loss(target, evals, self.spec.eval_seq_len or self.spec.target.seq_len, self.spec.eval_tokens)
         K = self.spec.draft.ttt_steps
-        windows = eval_windows(evals, self.spec.draft.seq_len, self.spec.eval_tokens)
+        windows = eval_windows(evals, self.spec.draft.seq_len, self.spec.eval_tokens).to(self.device)
         agreement = teacher_forced_agreement(target, draft, layer_ids, windows, K)
         P = self.spec.greedy_prompt_len
         starts = np.linspace(0, len(evals) - P - 1, self.spec.greedy_prompts).astype(np.int64)
-        prompts = torch.from_numpy(np.stack([evals[s : s + P].astype(np.int64) for s in starts]))
+        prompts = torch.from_numpy(np.stack([evals[s : s + P].astype(np.int64) for s in starts])).to(self.device)
         chain = greedy_chain(target, draft, layer_ids, prompts, self.spec.greedy_new_tokens, K)
         return self.finish("eval", {"seconds": time.perf_counter() - t0, **lm,
                                     "heldout_agreement": agreement, "greedy_chain": chain})
@@ -245,6 +269,8 @@ class Builder:
             results[stage] = getattr(self, f"stage_{stage}")()
             if done_file.exists() and results[stage].get("built_at", 0) > done_file.stat().st_mtime:
                 done_file.unlink()
+            if stage == self.stages[-1] and stage != STAGES[-1]:
+                return {}  # the later stages run elsewhere (--stages)
         metrics = summarize(self.spec, self.seed, results)
         (self.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         done_file.write_text(json.dumps({"size": self.spec.name, "seed": self.seed,
@@ -291,8 +317,14 @@ def summarize(spec: SizeSpec, seed: int, results: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny models for tests (< 3 min on 2 cores)")
-    ap.add_argument("--out", type=Path, default=None, help="output dir (default models/quick|default)")
+    ap.add_argument("--quick", action="store_true", help="tiny models for tests (< 3 min on 2 cores); "
+                    "same as --preset quick")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="size preset (default: default; gpu = the shipped pair, meant for --device cuda)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output dir (default models/quick | models/default-cpu | models/default for gpu)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="comma-separated stages to run; the others must already be complete in --out")
     ap.add_argument("--device", default="cpu", help="training device, e.g. cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
@@ -303,17 +335,24 @@ def main(argv: list[str] | None = None) -> int:
         "machine and --threads)",
     )
     args = ap.parse_args(argv)
-
-    spec = PRESETS["quick" if args.quick else "default"]
-    out = (args.out or REPO / "models" / spec.name).resolve()
+    stages = tuple(x.strip() for x in args.stages.split(",") if x.strip())
+    if not stages or any(x not in STAGES for x in stages):
+        ap.error(f"--stages {args.stages!r}: choose from {','.join(STAGES)}")
+    stages = tuple(x for x in STAGES if x in stages)
+    if args.quick and args.preset not in (None, "quick"):
+        ap.error("--quick and --preset disagree")
+    spec = PRESETS["quick" if args.quick else (args.preset or "default")]
+    # the gpu preset is the shipped pair (models/default); the CPU default preset never overwrites it
+    out = (args.out or REPO / "models" / {"gpu": "default", "default": "default-cpu"}.get(spec.name, spec.name)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     t0 = time.perf_counter()
     # one build per output directory at a time (tests, quickstart and users may race)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        metrics = Builder(out, spec, args.seed, args.device, args.compile).run()
-    print(json.dumps({k: metrics[k] for k in ("target", "draft", "seconds")}, indent=2))
+        metrics = Builder(out, spec, args.seed, args.device, args.compile, stages).run()
+    if metrics:
+        print(json.dumps({k: metrics[k] for k in ("target", "draft", "seconds")}, indent=2))
     print(f"models in {out} ({time.perf_counter() - t0:.0f}s this run)")
     return 0
 

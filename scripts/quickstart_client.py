@@ -26,11 +26,8 @@ from pathlib import Path
 
 import httpx
 
-
-def load_prompts(path: Path, n: int) -> list[str]:
-    """The first ``n`` prompts of a HumanEval-style (``prompt``) or MT-Bench-style (``turns``) JSONL."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
-    return [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sglang_patch.bench.prompts import load_prompts  # noqa: E402  (no engine import)
 
 
 def generate_all(url: str, prompts: list[str], concurrency: int, **sampling) -> tuple[list[dict], float]:
@@ -59,7 +56,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
-    prompts = load_prompts(args.prompts, args.n)
+    prompts = [p.text for p in load_prompts(args.prompts, args.n)]
 
     sampled, _ = generate_all(args.url, prompts, args.concurrency, max_new_tokens=args.max_new_tokens,
                               temperature=0.8, top_p=0.95)

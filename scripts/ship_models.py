@@ -64,18 +64,20 @@ def to_bf16(model_dir: Path) -> None:
 
 
 def greedy_text_quality(target: Path, prompts: Path, n: int = 20, max_new_tokens: int = 96) -> dict:
-    """Non-whitespace share and distinct-4-gram ratio of the target's greedy completions (float32)."""
+    """Non-whitespace share and distinct-4-gram ratio of the target's greedy completions (float32) of
+    the first ``n`` prompts, sent as the benchmark sends them (`sglang_patch.bench.prompts`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sglang_patch.bench.prompts import load_prompts
     from sglang_patch.bench.report import text_quality
 
     tok = AutoTokenizer.from_pretrained(str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(target), torch_dtype=torch.float32).eval()
-    rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()][:n]
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    rows = load_prompts(prompts, n)
     outs = []
     with torch.no_grad():
         for row in rows:
-            ids = torch.tensor([tok.encode(row["prompt"], add_special_tokens=False)[-192:]])
+            ids = torch.tensor([tok.encode(row.text, add_special_tokens=False)[-192:]])
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id or 0)
             outs.append(gen[0, ids.shape[1]:].tolist())

@@ -20,6 +20,9 @@ EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 )
 MAX_FILE_BYTES = 400_000
+#: Bumped whenever the selection of training documents changes (part of the data stage fingerprint).
+#: 2: package sdists skip vendored folders (packages.VENDORED_DIRS).
+CORPUS_VERSION = 2
 EVAL_MODULUS = 20  # 1 file in 20 (by hash) is held out
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -107,13 +110,14 @@ def chat_examples(source: str, max_chars: int = 1500) -> list[str]:
 
 
 def load_corpus(max_train_chars: int | None = None, root: Path | None = None,
-                packages: bool = False) -> Corpus:
+                packages: str = "") -> Corpus:
     """Read the corpus; ``max_train_chars`` caps the raw standard-library training text (files in
     hash order).
 
     Chat examples are derived from the same files, so they inherit the file's split. The eval
     split is never capped, so held-out metrics are comparable between model sizes. With
-    ``packages``, the documents of `modelmaking.packages.PACKAGES` (and their chat examples) are
+    ``packages`` "default" / "wide", the documents of `modelmaking.packages.PACKAGES` /
+    ``WIDE_PACKAGES`` (and their chat examples) are
     appended to the training split, after the standard library (so a tokenizer learnt from the
     first characters of the training split is the standard library's).
     """
@@ -143,9 +147,10 @@ def load_corpus(max_train_chars: int | None = None, root: Path | None = None,
             n_train += 1
     provenance: list[dict] = []
     if packages:
-        from modelmaking.packages import load_packages
+        from modelmaking.packages import PACKAGES, WIDE_PACKAGES, load_packages
 
-        pdocs, provenance = load_packages()
+        chosen = {"default": PACKAGES, "wide": WIDE_PACKAGES}[packages]
+        pdocs, provenance = load_packages(packages=chosen)
         for text in pdocs:
             train.extend([text, *chat_examples(text)])
         n_train += len(pdocs)

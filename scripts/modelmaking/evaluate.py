@@ -25,7 +25,7 @@ def step_matches(target: Qwen3ForCausalLM, draft: Eagle3Draft, layer_ids: list[i
     aux, logits = target_features(target, ids, layer_ids)
     top = logits.argmax(-1)
     B, T = ids.shape
-    out = torch.zeros(B, T, steps, dtype=torch.bool)
+    out = torch.zeros(B, T, steps, dtype=torch.bool, device=ids.device)
     for k, dl in enumerate(draft(ids, aux, steps)):
         n = T - 1 - k
         out[:, :n, k] = draft.hot_ids[dl[:, :n].argmax(-1)] == top[:, 1 + k :]

@@ -64,7 +64,8 @@ class SizeSpec:
     greedy_prompts: int = 16  # prompts for the greedy-chain acceptance simulation
     greedy_prompt_len: int = 48
     greedy_new_tokens: int = 64
-    packages: bool = False  # add the PyPI source distributions of modelmaking.packages to training
+    packages: str = ""  # PyPI sdists added to training: "" none, "default" PACKAGES, "wide" WIDE_PACKAGES
+    eval_seq_len: int | None = None  # held-out window length (None: target.seq_len)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -134,7 +135,47 @@ DEFAULT = SizeSpec(
         lr=3e-3,
     ),
     eval_tokens=65_536,
-    packages=True,
+    packages="default",
 )
 
-PRESETS = {"quick": QUICK, "default": DEFAULT}
+#: The shipped pair (``models/default``), trained on a GPU in minutes
+#: (``make_models.py --preset gpu --device cuda``): a 23 M target on 393 M tokens (a few epochs of a ~3x wider corpus),
+#: sized so target + head stay under 60 MiB in bf16. Same tokenizer and held-out text (in 256-token
+#: windows) as ``default``, so held-out perplexities compare.
+GPU = SizeSpec(
+    name="gpu",
+    max_train_chars=None,
+    tokenizer_chars=8_000_000,
+    vocab_size=4096,
+    target=TargetSpec(
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        seq_len=512,
+        batch_size=64,
+        steps=12000,
+        lr=3e-3,
+        warmup_frac=0.02,
+    ),
+    draft=DraftSpec(
+        draft_vocab_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1024,
+        ttt_steps=4,
+        seq_len=512,
+        batch_size=32,
+        steps=4000,
+        lr=2e-3,
+        warmup_frac=0.02,
+    ),
+    eval_tokens=65_536,
+    packages="wide",
+    eval_seq_len=256,
+)
+
+PRESETS = {"quick": QUICK, "default": DEFAULT, "gpu": GPU}

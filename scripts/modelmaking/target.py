@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from .data import eval_windows, random_windows
+from .device import autocast
 from .schedule import lr_at, make_adamw
 from .sizes import TargetSpec
 from .tokenizer import FILES as TOKENIZER_FILES
@@ -74,7 +75,8 @@ def train_target(
     model.train()
 
     def step_loss(x: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=x, labels=x).loss
+        with autocast(device):
+            return model(input_ids=x, labels=x).loss
 
     fn = step_loss
     compiled = False
@@ -99,9 +101,11 @@ def train_target(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        losses.append(loss.detach())
+        if step % 50 == 0 or step == spec.steps - 1:  # a host read every 50 steps, not every step
+            bar.set_postfix(loss=f"{losses[-1].item():.3f}")
     model.eval()
+    losses = torch.stack(losses).float().cpu().tolist()
     tail = losses[-max(1, len(losses) // 10) :]
     return {"train_loss_last": float(np.mean(tail)), "steps": spec.steps, "compiled": compiled}
 
@@ -110,7 +114,8 @@ def train_target(
 def heldout_loss(model: Qwen3ForCausalLM, stream: np.ndarray, seq_len: int, max_tokens: int) -> dict:
     """Mean next-token cross-entropy (nats) and perplexity on held-out windows."""
     model.eval()
-    windows = eval_windows(stream, seq_len, max_tokens)
+    device = next(model.parameters()).device
+    windows = eval_windows(stream, seq_len, max_tokens).to(device)
     total, count = 0.0, 0
     for chunk in windows.split(8):
         logits = model(input_ids=chunk).logits[:, :-1].float()

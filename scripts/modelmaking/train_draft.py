@@ -8,6 +8,7 @@ from tqdm import tqdm
 from transformers import Qwen3ForCausalLM
 
 from .data import random_windows
+from .device import autocast
 from .eagle3 import Eagle3Draft, shape_for
 from .features import target_features
 from .schedule import lr_at, make_adamw
@@ -90,7 +91,8 @@ def train_draft(
     draft.train()
 
     def step_fn(x, aux, logits):
-        return ttt_loss(draft, x, aux, logits, spec.ttt_steps, spec.step_weight_decay)
+        with autocast(device):
+            return ttt_loss(draft, x, aux, logits, spec.ttt_steps, spec.step_weight_decay)
 
     fn, compiled = step_fn, False
     if compile_model:
@@ -101,7 +103,8 @@ def train_draft(
         for group in opt.param_groups:
             group["lr"] = lr_at(step, spec.steps, spec.lr, spec.warmup_frac)
         x = random_windows(stream, spec.seq_len, spec.batch_size, gen).to(device)
-        aux, logits = target_features(target, x, layer_ids)
+        with autocast(device):
+            aux, logits = target_features(target, x, layer_ids)
         try:
             loss, agree = fn(x, aux, logits)
         except Exception as exc:  # compiler missing or failing: fall back to eager, same maths
@@ -114,10 +117,13 @@ def train_draft(
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        agrees.append(agree.tolist())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{agrees[-1][0]:.2f}")
+        losses.append(loss.detach())
+        agrees.append(agree)
+        if step % 50 == 0 or step == spec.steps - 1:  # a host read every 50 steps, not every step
+            bar.set_postfix(loss=f"{losses[-1].item():.3f}", top1=f"{agrees[-1][0].item():.2f}")
     draft.eval()
+    losses = torch.stack(losses).float().cpu().tolist()
+    agrees = torch.stack(agrees).float().cpu().tolist()
     tail = max(1, len(losses) // 10)
     return {
         "train_loss_last": float(np.mean(losses[-tail:])),

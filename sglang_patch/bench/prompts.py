@@ -8,6 +8,21 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 
+def completion_text(prompt: str) -> str:
+    """A completion prompt as the target should see it: trailing whitespace removed ("token healing").
+
+    Byte-level BPE with GPT-2 pre-tokenisation merges a newline with the indentation after it
+    (``"\n    return"`` -> ``"\n   "``, ``" return"``), so a prompt ending in a bare ``"\n"`` token
+    (every HumanEval prompt) sits where training text only ever ended a file: the small targets
+    answer with ``<|endoftext|>`` or a new top-level block. Without the trailing whitespace the
+    model writes the newline and indentation itself (measured on the shipped pair's 20 dev code
+    prompts, greedy, 96 tokens: non-whitespace share 0.29 -> 0.77, distinct-4-gram ratio 0.18 ->
+    0.71; `scripts/ship_models.py`). Every method and reference server gets the same text, so
+    comparisons and lossless checks are unaffected.
+    """
+    return prompt.rstrip()
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     """One benchmark prompt.
@@ -30,7 +45,8 @@ def load_prompts(
 ) -> List[BenchPrompt]:
     """Read a JSONL prompt file.
 
-    Each line holds ``prompt`` (a completion prompt, e.g. HumanEval) or ``turns`` (a list of user
+    Each line holds ``prompt`` (a completion prompt, e.g. HumanEval; sent as `completion_text`) or
+    ``turns`` (a list of user
     turns, e.g. MT-Bench; the first turn is used). ``render_chat`` turns a user message into the text
     the target model sees (its chat template); without it the raw turn is sent.
 
@@ -44,7 +60,7 @@ def load_prompts(
         row = json.loads(line)
         pid = str(row.get("id", lineno))
         if "prompt" in row:
-            out.append(BenchPrompt(pid, row["prompt"], "completion"))
+            out.append(BenchPrompt(pid, completion_text(row["prompt"]), "completion"))
         elif "turns" in row:
             msg = row["turns"][0]
             out.append(BenchPrompt(pid, render_chat(msg) if render_chat else msg, "chat"))
