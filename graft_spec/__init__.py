@@ -3,14 +3,16 @@
 Read in this order: tree.py (trees, EAGLE rerank), calibration.py (the one currency: estimated
 path acceptance), retrieval/ (successor table, suffix index, corpus, host candidate buffer),
 graft.py (merge into N nodes), prune.py (the paper's confidence gating), step.py (the per-round
-device step), verify.py (greedy / target-only rejection sampling), pipeline.py (GraftPlanner).
+device step), verify.py (greedy / target-only rejection sampling), pipeline.py (GraftPlanner),
+budget.py (the batch budget: each round's verify width).
 
 The functions ``prune`` and ``graft`` are deliberately not re-exported here so that
 ``graft_spec.prune`` and ``graft_spec.graft`` stay the modules; import them from there.
 """
 
+from .budget import BatchBudget
 from .calibration import Calibrator
-from .config import CalibrationConfig, GraftConfig, GraftPolicy, PruneStage, RetrievalConfig, load_config
+from .config import BatchBudgetConfig, CalibrationConfig, GraftConfig, GraftPolicy, PruneStage, RetrievalConfig, load_config
 from .metrics import AcceptanceStats
 from .pipeline import GraftPlanner
 from .prune import PruneResult
@@ -21,7 +23,7 @@ from .tree import (NUM_SOURCES, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING, SOUR
 from .verify import VerifyResult, greedy_verify, logits_to_probs, sample_verify
 
 __all__ = [
-    "Calibrator", "CalibrationConfig", "GraftConfig", "GraftPolicy", "PruneStage", "RetrievalConfig",
+    "BatchBudget", "BatchBudgetConfig", "Calibrator", "CalibrationConfig", "GraftConfig", "GraftPolicy", "PruneStage", "RetrievalConfig",
     "load_config", "AcceptanceStats", "GraftPlanner", "PruneResult", "DraftCandidates", "GraftStep",
     "StepOutput",
     "NUM_SOURCES", "SOURCE_DRAFT", "SOURCE_NAMES", "SOURCE_PADDING", "SOURCE_RETRIEVED", "DraftTree",

@@ -24,6 +24,9 @@ Vocabulary (paper = Graft, arXiv 2605.20104, Sec. 3; see docs in
 * ``retrieval``: successor table (token recycling, device), per-request suffix index and optional
   shared corpus (host, fed to the device through a fixed-size candidate buffer).
 * ``graft``: how the selection is constrained.
+* ``batch_budget``: per round, the verify width every request of the batch gets (from a small fixed
+  set, so CUDA graphs stay capturable), chosen from the calibrated expected gain and the measured
+  round time (budget.py); a width of 1 is a plain decode step.
 * ``stop_drafting_early``: in eager execution the drafter skips its remaining steps once no deeper
   draft node can enter the selection (or, with checkpoints, once every request fired one).
 
@@ -53,6 +56,7 @@ __all__ = [
     "RetrievalConfig",
     "GraftPolicy",
     "CalibrationConfig",
+    "BatchBudgetConfig",
     "GraftConfig",
     "load_config",
 ]
@@ -203,6 +207,31 @@ class CalibrationConfig(BaseModel):
     halve_at: float = Field(default=4096.0, ge=16.0)
 
 
+class BatchBudgetConfig(BaseModel):
+    """The batch-aware verify budget (budget.py): each decode round the whole batch verifies ``w``
+    tokens per request, ``w`` one of the ``widths``, chosen for the most expected tokens per second
+    (calibrated expected accept length over the round time measured on the serving device).
+
+    Fields:
+        enabled: false = every round verifies ``num_draft_tokens`` per request (fixed N).
+        widths: the per-request verify widths a round may use, root included (1 = a plain decode
+            step: no drafting, only the root is verified); () = ``(1, ceil(N / 2), N)``. Each width
+            is a runtime state of its own (attention backend, CUDA graphs), built at startup.
+        explore_every: rounds of one batch-size bucket between two re-measurements of a width that is
+            not the current best (exploration cost: 1 round in ``explore_every``).
+        min_samples: round times measured per (batch-size bucket, width) before it is compared.
+        time_window: round times per (batch-size bucket, width) whose median is the width's cost.
+    """
+
+    model_config = _STRICT
+
+    enabled: bool = True
+    widths: tuple[int, ...] = ()
+    explore_every: int = Field(default=64, ge=2, le=1_000_000)
+    min_samples: int = Field(default=3, ge=1, le=1000)
+    time_window: int = Field(default=16, ge=1, le=4096)
+
+
 class GraftConfig(BaseModel):
     """Top-level Graft configuration (immutable, validated).
 
@@ -225,6 +254,7 @@ class GraftConfig(BaseModel):
     calibration: CalibrationConfig = CalibrationConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     graft: GraftPolicy = GraftPolicy()
+    batch_budget: BatchBudgetConfig = BatchBudgetConfig()
     stop_drafting_early: bool = Field(
         default=True,
         description="skip the remaining draft steps once no deeper draft node can be selected (with "
@@ -252,7 +282,21 @@ class GraftConfig(BaseModel):
             if st.keep >= n:
                 raise ValueError(f"checkpoints[{i}].keep={st.keep} must be < num_draft_tokens={n}")
             prev_depth, prev_keep = st.depth, st.keep
+        widths = self.batch_budget.widths
+        if widths:
+            if list(widths) != sorted(set(widths)):
+                raise ValueError(f"batch_budget.widths={list(widths)} must be strictly increasing")
+            if widths[0] < 1 or widths[-1] > n:
+                raise ValueError(f"batch_budget.widths={list(widths)} must lie in 1..num_draft_tokens={n}")
         return self
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The per-request verify widths rounds may use (``(N,)`` when the batch budget is off)."""
+        n = self.num_draft_tokens
+        if not self.batch_budget.enabled:
+            return (n,)
+        return self.batch_budget.widths or tuple(sorted({1, max(2, -(-n // 2)), n}))
 
     # ------------------------------------------------------------------ loaders
     @classmethod

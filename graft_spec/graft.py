@@ -110,7 +110,8 @@ def canonical_nodes(h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
 
 def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
                  valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
-                 policy: Optional[GraftPolicy] = None) -> tuple[DraftTree, torch.Tensor]:
+                 policy: Optional[GraftPolicy] = None, gain_nodes: Optional[int] = None
+                 ) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """Build the hybrid tree from a stacked candidate list (see module docstring).
 
     Args:
@@ -126,8 +127,12 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
         num_nodes: N >= 2, root included.
         policy: ``min_score`` (drop nodes whose estimate is below it, unless their key is +inf) and
             ``root_width`` (at most this many new retrieved children of the root).
+        gain_nodes: length + 1 of the gain curve (default ``num_nodes``): the curve prices trees of
+            every width up to ``gain_nodes`` from the same candidates (the batch budget, budget.py).
     Returns:
-        ``(tree, member_bins)``: `DraftTree` ``[B, N]`` (topological, distinct siblings, padding only
+        ``(tree, member_bins, gain)``: ``gain`` ``float32[B, gain_nodes - 1]``, ``gain[:, k]`` = sum
+        of the estimates of the k + 1 best non-root nodes (the selection order; every prefix of it is
+        ancestor-closed), so a tree of w nodes is expected to accept ``1 + gain[:, w - 2]`` tokens; `DraftTree` ``[B, N]`` (topological, distinct siblings, padding only
         after the real nodes, ``logp`` = log of the estimate, source draft / retrieved / padding of the
         best member) and ``int64[B, N, NUM_MEMBERS]`` the bin of every member of every node (-1 none;
         the root and padding have none).
@@ -136,7 +141,7 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     """
     if num_nodes < 2:
         raise ValueError(f"merge_select: num_nodes={num_nodes} must be >= 2")
-    policy = policy or GraftPolicy()
+    policy = policy if policy is not None else GraftPolicy()
     b, u = tokens.shape
     dev = tokens.device
     neg_inf = torch.full((), -math.inf, device=dev)
@@ -177,8 +182,16 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     # "top N-1 with ties to the lower index" ancestor-closed
     gkey = path_min(gkey, cpar)
 
-    # 3. fill N - 1 slots
+    # 3. fill N - 1 slots; the gain curve prices every width from the same order
     rest = gkey[:, 1:]
+    g = (gain_nodes or num_nodes) - 1
+    k = min(g, u - 1)
+    top_idx = torch.topk(order_key(rest), k, dim=1).indices
+    ranked = torch.where(rest.gather(1, top_idx) > -math.inf, gest[:, 1:].gather(1, top_idx), 0.0)
+    gain = torch.cumsum(ranked.clamp(min=0.0), dim=1)
+    if k < g:  # fewer candidates than widths: wider trees add padding only
+        last = gain[:, -1:] if k > 0 else torch.zeros(b, 1, device=dev)
+        gain = torch.cat([gain, last.expand(b, g - k)], dim=1)
     sel = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev),
                      top_mask(order_key(rest), num_nodes - 1) & (rest > -math.inf)], dim=1)
 
@@ -220,4 +233,4 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     out_src[:, 0].fill_(SOURCE_DRAFT)
     out_bins = torch.where(is_pad[:, :, None], -1, out_bins)
     out_bins[:, 0].fill_(-1)
-    return DraftTree(out_tok, out_par, out_logp, out_src), out_bins
+    return DraftTree(out_tok, out_par, out_logp, out_src), out_bins, gain

@@ -81,11 +81,16 @@ class RoundStats:
             order, -1 after the path.
         members: ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) per member source.
         depths: ``float64[D + 1, 2]`` (verified, accepted) nodes per depth (row 0 unused).
+        expected: ``float32[B, W]`` expected accept length (bonus included) of a tree of each of the
+            config's verify widths (``GraftConfig.verify_widths``) from this round's candidates, and
+            of the tree actually verified in the last column (the batch budget, budget.py); None
+            when not computed.
     """
 
     sources: torch.Tensor
     members: torch.Tensor
     depths: torch.Tensor
+    expected: Optional[torch.Tensor] = None
 
 
 class GroupMap:
@@ -156,6 +161,9 @@ class GraftPlanner:
         self.buffer = HostCandidateBuffer(max_batch, width, self.device)
         self.history = TokenHistory(max_slots, r.history_len, self.device)
         self.step = GraftStep(config, self.calibrator, self.successor, self.device)
+        #: the step of every verify width >= 2 of the batch budget (the full width is `step`)
+        self.steps = {w: (self.step if w == n else GraftStep(config, self.calibrator, self.successor, self.device, w))
+                      for w in config.verify_widths if w >= 2}
         self._seen: dict[Hashable, int] = {}
         self._group: dict[Hashable, int] = {}
 
@@ -218,20 +226,23 @@ class GraftPlanner:
         return self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)
 
     # ------------------------------------------------------------------ per round
-    def host_candidates(self, req_ids: Sequence[Hashable]) -> HostCandidates:
+    def host_candidates(self, req_ids: Sequence[Hashable], speculate: Optional[Sequence[bool]] = None
+                        ) -> HostCandidates:
         """Fill one buffer row per request (host only) and upload the batch with one copy.
 
         Each row is anchored at the context the sources have seen (`seen`) and carries the request's
-        isolation group; unknown requests get an empty row.
+        isolation group; unknown requests get an empty row. ``speculate``: per request False = it
+        opted out of speculation (default: all True).
         """
         b = len(req_ids)
         self.buffer.ensure(b)
         for row, rid in enumerate(req_ids):
-            self.retriever.fill(self.buffer, row, rid, self.seen(rid), self.group_of(rid))
+            self.retriever.fill(self.buffer, row, rid, self.seen(rid), self.group_of(rid),
+                                True if speculate is None else bool(speculate[row]))
         return self.buffer.upload(b)
 
     def build(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
-              seq_lens: torch.Tensor, sampled: torch.Tensor) -> StepOutput:
+              seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None) -> StepOutput:
         """The graft step (device, static shapes, no host read).
 
         Args:
@@ -239,11 +250,24 @@ class GraftPlanner:
             roots: ``int64[B]``; slot_ids: ``int64[B]`` engine slots (token history rows);
             seq_lens: ``int64[B]`` committed tokens before the root; sampled: ``bool[B]``.
             host: `host_candidates` of the same rows.
+            num_nodes: the round's verify width, 2..N (default N; the batch budget's widths are
+                prepared at construction, others on first use).
         Returns:
-            `StepOutput` ``[B, N]``.
+            `StepOutput` ``[B, num_nodes]``.
+        Raises:
+            ValueError: a width outside 2..N.
         """
+        step = self.step if num_nodes is None else self.steps.get(num_nodes)
+        if step is None:
+            step = self.steps[num_nodes] = GraftStep(self.config, self.calibrator, self.successor, self.device,
+                                                     num_nodes)
         hist, count = self.history.gather(slot_ids)
-        return self.step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates())
+        return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates())
+
+    def plain(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> StepOutput:
+        """The root-only `StepOutput` of a plain decode round (verify width 1), so its bookkeeping
+        (`observe`: token history) runs the same way as a speculative round's."""
+        return StepOutput.root_only(roots, seq_lens, self.calibrator.estimates())
 
     def stop_gate(self, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
                   seq_lens: torch.Tensor, sampled: torch.Tensor) -> ExpectedGainGate:
@@ -284,4 +308,8 @@ class GraftPlanner:
         key[:, 0].fill_(n)
         order = key.sort(dim=1).values[:, : n - 1]
         sources = torch.where(order < n, tree.source.gather(1, order.clamp(max=n - 1)), -1)
-        return RoundStats(sources, members, depths)
+        expected = None
+        if out.gain is not None:  # a plain round (width 1) prices nothing
+            expected = torch.cat([out.expected_accept_at(self.config.verify_widths),
+                                  out.expected_accept_at((n,))], dim=1)
+        return RoundStats(sources, members, depths, expected)

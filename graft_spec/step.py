@@ -166,6 +166,8 @@ class StepOutput:
         first_child, next_sibling: ``int64[B, N]`` SGLang's retrieve_next_token / _sibling.
         estimates: the calibration estimates the round was priced with (for the update).
         groups: ``int64[B]`` successor-table isolation group of each row (for the update).
+        gain: ``float32[B, P - 1]`` expected accepted nodes of a tree of every width 2..P from the
+            same candidates (P = the config's ``num_draft_tokens``; `merge_select`), or None.
     """
 
     tree: DraftTree
@@ -177,15 +179,30 @@ class StepOutput:
     next_sibling: torch.Tensor
     estimates: torch.Tensor
     groups: Optional[torch.Tensor] = None
+    gain: Optional[torch.Tensor] = None
 
     @staticmethod
-    def from_tree(tree: DraftTree, seq_lens: torch.Tensor) -> "StepOutput":
-        """The verify layout of a given tree, without calibration data (member bins -1, an empty
-        estimate table): for engines or tests that build trees another way."""
+    def from_tree(tree: DraftTree, seq_lens: torch.Tensor, estimates: Optional[torch.Tensor] = None
+                  ) -> "StepOutput":
+        """The verify layout of a given tree, without calibration data (member bins -1; ``estimates``
+        default: an empty table): for engines or tests that build trees another way."""
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         b, n = tree.tokens.shape
         bins = torch.full((b, n, NUM_MEMBERS), -1, dtype=torch.int64, device=tree.device)
-        return StepOutput(tree, bins, depth, positions, mask, first, nxt, torch.zeros(1, device=tree.device))
+        est = estimates if estimates is not None else torch.zeros(1, device=tree.device)
+        return StepOutput(tree, bins, depth, positions, mask, first, nxt, est)
+
+    @staticmethod
+    def root_only(roots: torch.Tensor, seq_lens: torch.Tensor, estimates: torch.Tensor) -> "StepOutput":
+        """The one-node tree of a plain decode round (width 1: the root is verified, the target's
+        token after it is the bonus). ``roots``: ``int64[B]``; ``estimates``: the calibrator's table
+        (the round's update credits nothing, every member bin is -1)."""
+        b = roots.shape[0]
+        tree = DraftTree(roots.reshape(b, 1).to(torch.int64),
+                         torch.full((b, 1), -1, dtype=torch.int64, device=roots.device),
+                         torch.zeros(b, 1, device=roots.device),
+                         torch.full((b, 1), SOURCE_DRAFT, dtype=torch.int64, device=roots.device))
+        return StepOutput.from_tree(tree, seq_lens, estimates)
 
     def pack(self) -> torch.Tensor:
         """``int64[B, N, 4 + NUM_MEMBERS]``: tokens, parents, source, log-estimate bits and member bins,
@@ -207,6 +224,19 @@ class StepOutput:
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, packed[..., 4:].contiguous(), depth, positions, mask, first, nxt, estimates, groups)
 
+    def expected_accept_at(self, widths: "tuple[int, ...]") -> torch.Tensor:
+        """``float32[B, len(widths)]``: expected accept length (bonus included) of a tree of each
+        width from this round's candidates: ``1 + gain[:, w - 2]`` (1 for width 1; widths beyond
+        the gain curve take its last value)."""
+        b = self.tree.tokens.shape[0]
+        dev = self.tree.tokens.device
+        gain = self.gain if self.gain is not None else self.tree.logp[:, 1:].exp().cumsum(dim=1)
+        g = gain.shape[1]
+        cols = []
+        for w in widths:
+            cols.append(torch.zeros(b, device=dev) if w <= 1 or g == 0 else gain[:, min(w - 2, g - 1)].float())
+        return 1.0 + torch.stack(cols, dim=1) if cols else torch.zeros(b, 0, device=dev)
+
     @property
     def expected_accept_length(self) -> torch.Tensor:
         """``float32[B]``: 1 (bonus) + sum of the nodes' estimates."""
@@ -221,20 +251,27 @@ class GraftStep:
         calibrator: the engine's `Calibrator` (bins; its estimates are an input of every call).
         successor: the engine's `SuccessorTable`, or None when disabled.
         device: where the step runs.
+        num_nodes: the tree width this step builds, root included (>= 2, default N =
+            ``config.num_draft_tokens``; the batch budget builds narrower trees). The candidate pool
+            and the gain curve always span N, so every width is priced from the same candidates.
     """
 
     def __init__(self, config: GraftConfig, calibrator: Calibrator, successor: Optional[SuccessorTable],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", num_nodes: Optional[int] = None):
         self.config, self.calibrator, self.successor = config, calibrator, successor
-        self.n = config.num_draft_tokens
+        self.pool = config.num_draft_tokens
+        self.n = num_nodes or self.pool
+        if not 2 <= self.n <= self.pool:
+            raise ValueError(f"GraftStep: num_nodes={self.n} must lie in 2..num_draft_tokens={self.pool}")
         self.device = torch.device(device)
         self.stages = PruneStages.build(config.checkpoints, self.device) if config.checkpoints else None
 
     # ------------------------------------------------------------------ parts
     def _draft_part(self, draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor,
                     est_table: torch.Tensor):
-        """Root + the N - 1 best draft candidates: (tokens, parents, key, est, valid, bins), [B, N]."""
-        cal, n = self.calibrator, self.n
+        """Root + the N - 1 best draft candidates (N = the pool): (tokens, parents, key, est, valid,
+        bins), [B, N]."""
+        cal, n = self.calibrator, self.pool
         b, s = draft.tokens.shape
         dev = draft.tokens.device
         drafted = torch.isfinite(draft.logq) & (draft.logq > -60.0)
@@ -290,7 +327,7 @@ class GraftStep:
 
     def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
         b = hist.shape[0]
-        d = self.n - 1
+        d = self.pool - 1
         tokens, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, d)
         member = torch.full_like(tokens, MEMBER_LOOKUP)
         depth = torch.arange(1, d + 1, device=hist.device).expand(b, d)
@@ -347,14 +384,16 @@ class GraftStep:
             draft: `DraftCandidates` ``[B, S]``.
             roots: ``int64[B]`` root tokens (the previous round's bonus tokens).
             host: `HostCandidates` ``[B, M]`` (M may be 0; its ``group`` picks each row's
-                successor-table isolation group).
+                successor-table isolation group; rows whose ``speculate`` is False get a tree of
+                padding only: the request opted out of speculation).
             hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' token windows (history.py),
                 ending with the root.
             seq_lens: ``int64[B]`` committed tokens before the root.
             sampled: ``bool[B]`` rows verified by sampling (their own calibration bins).
             est_table: ``Calibrator.estimates()``.
         Returns:
-            `StepOutput` with N = ``config.num_draft_tokens``.
+            `StepOutput` of width ``num_nodes`` (default ``config.num_draft_tokens``), with the gain
+            curve over the full pool.
         """
         parts_tok, parts_par, parts_key, parts_est, parts_valid, parts_member, parts_bins = [], [], [], [], [], [], []
 
@@ -388,9 +427,10 @@ class GraftStep:
             tok, par, est, valid, bins, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             add(tok, par, est, valid, bins, member)
 
-        tree, member_bins = merge_select(
+        valid = torch.cat(parts_valid, 1) & host.speculate[:, None]               # per-request opt-out
+        tree, member_bins, gain = merge_select(
             torch.cat(parts_tok, 1), torch.cat(parts_par, 1), torch.cat(parts_key, 1), torch.cat(parts_est, 1),
-            torch.cat(parts_valid, 1), torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n,
-            self.config.graft)
+            valid, torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n, self.config.graft,
+            gain_nodes=self.pool)
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
-        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group)
+        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain)

@@ -25,6 +25,15 @@ Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.
    recorded (`GraftRequestTracker.record`). No host read in the worker's decode path.
 5. **Draft extend** — unchanged, launched right after verify.
 
+**Batch budget** (``batch_budget`` in the config, on by default): before a decode round is launched
+`GraftWorker.forward_batch_generation` asks ``graft_spec.budget.BatchBudget`` for the round's verify
+width (expected tokens per second from the calibrated gain of the requests' last rounds and the round
+times measured here, launch to launch) and switches SGLang's runtime state to it
+(`sglang_patch.verify_widths`). Width 1 is a plain decode step: SGLang skips drafting
+(``steps = 0``) and `_build_trivial_verify_input` lays out a root-only tree, so the round's
+bookkeeping runs as for any other. Requests with ``custom_params: {"graft_speculate": false}`` get no
+candidates and count as gaining nothing.
+
 With tensor parallelism every rank builds its own tree, then the first rank's is broadcast to all
 (`StepOutput.pack`, one collective), and the eager stop gate's decision per depth is the first
 rank's too: ranks always verify the same tree and run the same number of draft forwards, whatever
@@ -40,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator, Optional
@@ -52,6 +62,7 @@ from sglang.srt.runtime_context import get_spec
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
+from graft_spec.budget import BatchBudget
 from graft_spec.pipeline import GraftPlanner, RoundStats, on_path_from_accept_index
 from graft_spec.prune import DraftStopGate
 from graft_spec.retrieval.buffer import HostCandidates
@@ -60,6 +71,7 @@ from sglang_patch.args import effective_graft_config
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from sglang_patch.metrics import GraftStats, prometheus_enabled
+from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +131,11 @@ class _RoundHost:
         sources = self.stats.sources.tolist()
         self.worker.requests.record(batch.reqs, commits, sources)
         self.worker.stats.record_round(sources, self.stats.members.tolist(), self.stats.depths.tolist())
+        budget = self.worker.budget
+        if budget is not None:
+            expected = self.stats.expected
+            budget.observe([r.rid for r in batch.reqs], None if expected is None else expected.numpy(),
+                           [1 + sum(1 for x in row if x >= 0) for row in sources])
 
 
 @dataclass
@@ -131,8 +148,9 @@ class _RoundDevice:
 
     def copy_to_host(self, copy_tensor) -> _RoundHost:
         s = self.stats
+        expected = None if s.expected is None else copy_tensor(s.expected)
         return _RoundHost(self.worker, RoundStats(copy_tensor(s.sources), copy_tensor(s.members),
-                                                  copy_tensor(s.depths)))
+                                                  copy_tensor(s.depths), expected))
 
 
 class GraftDraftWorker(EagleDraftWorker):
@@ -215,27 +233,36 @@ class GraftDraftWorker(EagleDraftWorker):
         self.graft._slots()
         host, draft = self.graft.inject_fault(host, draft)
         out = self.graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens,
-                                       self.graft.sampled_rows(batch))
+                                       self.graft.sampled_rows(batch), num_nodes=num_draft_tokens)
         group = self.graft.tp_group()
         if group is not None:  # every rank verifies the first rank's tree (one broadcast)
-            packed = out.pack()
+            packed, gain = out.pack(), out.gain
             group.broadcast(packed, src=0)
             out = StepOutput.unpack(packed, batch.seq_lens, out.estimates, out.groups)
+            out.gain = gain  # the budget's input: only the first rank's choice is used
+        return _layout(out, batch, target_worker, tree_mask_mode, topk, num_steps)
 
-        verify_mask = target_worker.model_runner.attn_backend.verify_mask
-        if verify_mask is None:
-            mode, buffer, fill = tree_mask_mode, None, True
-        else:
-            mode, fill = verify_mask.mode, verify_mask.is_read
-            buffer = verify_mask.buffer if verify_mask.fits(bs) else None
-        numel = None
-        if buffer is None:  # as eagle_worker_common.py:417: the host's sum, else an upper bound
-            total = batch.seq_lens_sum
-            if total is None:
-                total = bs * target_worker.model_runner.attn_backend.max_context_len
-            numel = tree_mask_numel(mode, bs, num_draft_tokens, total)
-        return build_graft_verify_input(out, batch.seq_lens, mode=mode, topk=topk, steps=num_steps,
-                                        mask_buffer=buffer, fill_prefix=fill, full_mask_numel=numel)
+
+def _layout(out: StepOutput, batch, target_worker, tree_mask_mode, topk: int, steps: int) -> GraftVerifyInput:
+    """``out`` as a `GraftVerifyInput`, in the target backend's mask buffer when it fits."""
+    bs, n = out.tree.tokens.shape
+    verify_mask = target_worker.model_runner.attn_backend.verify_mask
+    if verify_mask is None:
+        mode, buffer, fill = tree_mask_mode, None, True
+    else:
+        mode, fill = verify_mask.mode, verify_mask.is_read
+        buffer = verify_mask.buffer if verify_mask.fits(bs) else None
+    numel = None
+    if buffer is None:  # as eagle_worker_v2.py:1707: the host's sum, else an upper bound (no device read)
+        total = batch.seq_lens_sum
+        if total is None and getattr(batch, "seq_lens_cpu", None) is not None:
+            total = int(batch.seq_lens_cpu.sum())
+        if total is None:
+            runner = target_worker.model_runner
+            total = bs * getattr(runner.attn_backend, "max_context_len", runner.model_config.context_len)
+        numel = tree_mask_numel(mode, bs, n, total)
+    return build_graft_verify_input(out, batch.seq_lens, mode=mode, topk=topk, steps=steps,
+                                    mask_buffer=buffer, fill_prefix=fill, full_mask_numel=numel)
 
 
 def _gated_select(select, gate, bs: int):
@@ -302,6 +329,11 @@ class GraftWorker(EAGLEWorkerV2):
         self.requests = GraftRequestTracker(self.planner)
         #: server-wide statistics (``/server_info``, and ``/metrics`` with ``--enable-metrics``)
         self.stats = GraftStats(prometheus=prometheus_enabled())
+        widths = self.config.verify_widths
+        #: the batch budget (None: one width, N, every round)
+        self.budget = BatchBudget(widths, self.config.batch_budget) if len(widths) > 1 else None
+        self.width_states = WidthStates(self)
+        self._launch: Optional[tuple] = None        # (width, batch size, perf_counter) of the last decode launch
         if self._draft_worker is not None:
             self._draft_worker.__class__ = GraftDraftWorker
             self._draft_worker.graft = self
@@ -346,8 +378,9 @@ class GraftWorker(EAGLEWorkerV2):
 
     # ------------------------------------------------------------------ per round (host side)
     def host_candidates(self, batch) -> HostCandidates:
-        """Sync the host sources with the batch's requests and upload their proposals."""
-        return self.planner.host_candidates(self.requests.prepare(batch.reqs))
+        """Sync the host sources with the batch's requests and upload their proposals (and their
+        opt-out flags)."""
+        return self.planner.host_candidates(self.requests.prepare(batch.reqs), [speculates(r) for r in batch.reqs])
 
     @staticmethod
     def sampled_rows(batch) -> torch.Tensor:
@@ -382,6 +415,49 @@ class GraftWorker(EAGLEWorkerV2):
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         """Free the request's graft state (``batch_result_processor.py:1442``)."""
         self.requests.finish(rid)
+        if self.budget is not None:
+            self.budget.forget(rid)
+
+    # ------------------------------------------------------------------ batch budget
+    def init_cuda_graphs(self):
+        """SGLang's capture, then one runtime state per further verify width (`WidthStates`)."""
+        super().init_cuda_graphs()
+        if self.budget is not None and self._draft_worker is not None:
+            self.width_states.build(self.budget.widths)
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        """``EAGLEWorkerV2.forward_batch_generation`` with the round's verify width chosen first."""
+        decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
+        if self.budget is not None:
+            if decode:
+                self._choose_width(batch)
+            else:
+                self._launch = None  # a prefill in between: the next decode launch is not a round time
+        return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                                                pp_proxy_tensors=pp_proxy_tensors)
+
+    def _choose_width(self, batch) -> None:
+        now = time.perf_counter()
+        if self._launch is not None:
+            width, bs, start = self._launch
+            self.budget.round_time(width, bs, now - start)
+        reqs = batch.reqs
+        width = self.budget.choose([r.rid for r in reqs], [speculates(r) for r in reqs])
+        group = self.tp_group()
+        if group is not None:
+            width = agree_width(group, width)
+        self.width_states.activate(width)
+        self.stats.record_width(width, len(reqs))
+        self._launch = (width, len(reqs), now)
+
+    def _build_trivial_verify_input(self, batch):
+        """Width 1 (SGLang's ``steps = 0`` round, ``eagle_worker_v2.py:1677``): a root-only graft tree,
+        so the round's bookkeeping (token history) runs as for a speculative one."""
+        if batch.forward_mode.is_idle():
+            return super()._build_trivial_verify_input(batch)
+        bs = batch.seq_lens.shape[0]
+        out = self.planner.plain(batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64), batch.seq_lens)
+        return _layout(out, batch, self._target_worker, _ev2.default_tree_mask_mode(), self.topk, 0)
 
     def live_graft_requests(self) -> int:
         """Requests currently holding graft state (tests, logs)."""
@@ -437,7 +513,8 @@ class GraftWorker(EAGLEWorkerV2):
         bs, n = out.tree.tokens.shape
         topk_ids = None
         logits = result.logits_output.next_token_logits
-        if self.planner.successor is not None and logits is not None:
+        # a plain round's root carries no isolation group: its successor update is skipped
+        if self.planner.successor is not None and logits is not None and n > 1:
             topk_ids = torch.topk(logits[: bs * n], self.planner.successor.k, dim=-1).indices
         on_path = on_path_from_accept_index(result.accept_index, n)
         committed = result.next_token_ids.view(bs, -1)

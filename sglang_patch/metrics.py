@@ -19,6 +19,9 @@ SGLang's own ``sglang:*`` series (``observability/metrics_collector.py``):
 | ``graft:calibration_estimated_total`` | counter | member | sum of their estimated acceptance |
 | ``graft:calibration_hits_total`` | counter | member | how many were accepted |
 | ``graft:draft_forwards_total`` | counter | outcome = run, skipped | eager draft forwards (stop gate) |
+| ``graft:verify_rounds_total`` | counter | width | decode rounds per verify width (batch budget; 1 = plain decode) |
+| ``graft:batch_verify_tokens`` | gauge | | verify tokens of the last round (batch size x width) |
+| ``graft:verify_width`` | gauge | | verify width per request of the last round |
 
 Mean estimated vs observed acceptance of a member = ``estimated_total / trials_total`` vs
 ``hits_total / trials_total``; acceptance per depth = ``accepted_nodes / verified_nodes``.
@@ -45,6 +48,8 @@ class GraftStats:
         calibration: per member source [trials, sum of estimates, hits].
         depth: per depth [verified nodes, accepted nodes].
         draft_forwards: {"run": n, "skipped": n}.
+        verify_widths: {width: decode rounds} (batch budget); last_batch_tokens: the last round's
+            batch size x width.
     """
 
     def __init__(self, prometheus: bool = False):
@@ -53,6 +58,8 @@ class GraftStats:
         self.calibration: Dict[str, List[float]] = {m: [0.0, 0.0, 0.0] for m in MEMBER_NAMES}
         self.depth: Dict[int, List[float]] = {}
         self.draft_forwards: Dict[str, int] = {"run": 0, "skipped": 0}
+        self.verify_widths: Dict[int, int] = {}
+        self.last_batch_tokens = 0
         self._prom = _Prometheus() if prometheus else None
 
     def record_round(self, sources: Sequence[Sequence[int]], members: Sequence[Sequence[float]],
@@ -101,6 +108,15 @@ class GraftStats:
         if self._prom:
             self._prom.draft_forwards.labels(outcome=key).inc()
 
+    def record_width(self, width: int, batch_size: int) -> None:
+        """A decode round launched with ``width`` verify tokens per request for ``batch_size`` requests."""
+        self.verify_widths[width] = self.verify_widths.get(width, 0) + 1
+        self.last_batch_tokens = width * batch_size
+        if self._prom:
+            self._prom.verify_rounds.labels(width=str(width)).inc()
+            self._prom.batch_tokens.set(self.last_batch_tokens)
+            self._prom.width.set(width)
+
     def summary(self) -> dict:
         """The ``/server_info`` view: counts, and estimated vs observed acceptance per member and depth."""
         cal = {m: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None)}
@@ -108,7 +124,9 @@ class GraftStats:
         depth = {d: {"verified": int(t), "observed": h / t} for d, (t, h) in sorted(self.depth.items()) if t}
         return {"accepted_tokens": dict(self.accepted),
                 "accept_length_hist": dict(sorted(self.accept_length_counts.items())),
-                "calibration": cal, "acceptance_by_depth": depth, "draft_forwards": dict(self.draft_forwards)}
+                "calibration": cal, "acceptance_by_depth": depth, "draft_forwards": dict(self.draft_forwards),
+                "verify_widths": {str(k): v for k, v in sorted(self.verify_widths.items())},
+                "last_batch_verify_tokens": self.last_batch_tokens}
 
 
 class _Prometheus:
@@ -116,7 +134,7 @@ class _Prometheus:
     SGLang has set ``PROMETHEUS_MULTIPROC_DIR``."""
 
     def __init__(self):
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.accepted = Counter("graft:accepted_tokens", "Emitted tokens by origin", ["source"])
         self.accept_length = Histogram("graft:accept_length", "Tokens per request per verify round",
@@ -127,6 +145,11 @@ class _Prometheus:
         self.cal_estimated = Counter("graft:calibration_estimated", "Sum of estimated acceptance", ["member"])
         self.cal_hits = Counter("graft:calibration_hits", "Accepted nodes per proposing source", ["member"])
         self.draft_forwards = Counter("graft:draft_forwards", "Eager draft forwards", ["outcome"])
+        self.verify_rounds = Counter("graft:verify_rounds", "Decode rounds per verify width", ["width"])
+        self.batch_tokens = Gauge("graft:batch_verify_tokens", "Verify tokens of the last round",
+                                  multiprocess_mode="mostrecent")
+        self.width = Gauge("graft:verify_width", "Verify width per request of the last round",
+                           multiprocess_mode="mostrecent")
 
 
 def prometheus_enabled() -> bool:

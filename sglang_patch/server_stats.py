@@ -23,7 +23,10 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
                    retrieved, padding, bonus}, accept_length_hist, calibration {member: {trials,
                    estimated, observed}} (mean estimated vs observed acceptance of the verified nodes
                    each source proposed), acceptance_by_depth, draft_forwards {run, skipped}
-                   (also as draft_steps); accepted_by_source {draft, retrieved, padding};
+                   (also as draft_steps), verify_widths {width: rounds}, last_batch_verify_tokens;
+                   batch_budget (``graft_spec.budget.BatchBudget.summary``: widths, rounds_by_width,
+                   last choice, correction, round_ms per batch-size bucket and width, or
+                   {"enabled": false}); accepted_by_source {draft, retrieved, padding};
                    config caps (suffix_max_nodes, suffix_max_depth, successor_k)
 
 Idle means: queues 0/0, ``kv.used == 0`` and ``kv.protected == 0``, ``req_slots.available ==
@@ -122,6 +125,8 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
         out.update(stats)
         out["draft_steps"] = stats["draft_forwards"]
         out["accepted_by_source"] = {k: v for k, v in stats["accepted_tokens"].items() if k != "bonus"}
+    budget = _safe(lambda: worker.budget)
+    out["batch_budget"] = _safe(lambda: budget.summary()) if budget is not None else {"enabled": False}
     cfg = _safe(lambda: planner.config.retrieval)
     if cfg is not None:
         out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,

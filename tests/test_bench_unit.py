@@ -12,20 +12,20 @@ from sglang_patch.bench.prompts import load_prompts
 from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
                                        merge_calibration, summarize, text_quality, write_plots)
 
-ALL = ["nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft", "graft_paper"]
+ALL = ["nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft_fixed", "graft", "graft_paper"]
 
 
 def test_methods_expand_to_valid_server_args(sglang_plugins_for_bench):
     methods = build_methods(ALL, [24, 60], 7, 10, "draft")
     labels = [m.label for m in methods]
-    assert labels[0] == "nospec" and len(labels) == len(set(labels)) == 1 + 6 * 2
+    assert labels[0] == "nospec" and len(labels) == len(set(labels)) == 1 + 7 * 2
     for m in methods:
         args = m.server_args()
         if m.method == "nospec":
             assert args == []
             continue
         assert args[args.index("--speculative-num-draft-tokens") + 1] == str(m.num_draft_tokens)
-        if m.method in ("graft", "pruned_only", "retrieval_only", "graft_paper"):
+        if m.method in ("graft", "graft_fixed", "pruned_only", "retrieval_only", "graft_paper"):
             # the real SGLang parser accepts them and graft's validator builds the config
             from sglang_patch.args import effective_graft_config
 
@@ -34,6 +34,8 @@ def test_methods_expand_to_valid_server_args(sglang_plugins_for_bench):
             assert cfg.num_draft_tokens == m.num_draft_tokens
             assert cfg.draft_nodes == (m.method != "retrieval_only")
             assert (not cfg.checkpoints) == (m.method != "graft_paper")
+            # only the out-of-the-box method switches widths; every peer verifies N each step
+            assert cfg.batch_budget.enabled == (m.method == "graft")
             if m.method == "pruned_only":
                 assert not any(getattr(cfg.retrieval, s) for s in ("successor", "suffix", "corpus", "lookup"))
 

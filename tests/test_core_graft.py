@@ -49,7 +49,7 @@ def graft(d: DraftTree, keep, cands, n, policy=None):
         member.append(torch.full_like(cands.tokens, MEMBER_SUFFIX))
     cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
     bins = torch.full_like(cat(toks), -1)
-    tree, _ = merge_select(cat(toks), cat(pars), cat(key), cat(est), cat(valid), cat(member), bins, n, policy)
+    tree, _, _ = merge_select(cat(toks), cat(pars), cat(key), cat(est), cat(valid), cat(member), bins, n, policy)
     return tree
 
 
@@ -184,7 +184,7 @@ def test_member_bins_credit_every_proposing_source():
     est = torch.tensor([[1.0, 0.5, 0.2, 0.6, 0.4, 0.3]])
     member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 3])
     bins = torch.tensor([[-1, 10, 11, 20, 21, 22]])
-    tree, mb = merge_select(toks, pars, est, est, torch.ones(1, 6, dtype=torch.bool), member, bins, 5)
+    tree, mb, _ = merge_select(toks, pars, est, est, torch.ones(1, 6, dtype=torch.bool), member, bins, 5)
     assert tree.tokens.tolist() == [[9, 1, 2, 3, 0]]
     assert tree.source[0].tolist() == [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED, SOURCE_RETRIEVED,
                                        SOURCE_PADDING]

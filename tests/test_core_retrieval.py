@@ -309,3 +309,21 @@ def test_retriever_from_config_sources_and_buffer_rows(tmp_path):
     assert hc.match[1, 0] == 2 and hc.logp[1, :4].tolist() == [0.0] * 4
     with pytest.raises(FileNotFoundError):
         Retriever.from_config(GraftConfig(retrieval={"corpus": True, "corpus_path": str(tmp_path / "no.json")}))
+
+
+def test_buffer_upload_is_not_overwritten_by_the_next_fill():
+    """The host fills the next round while the previous upload may still be in flight (a
+    non-blocking copy on CUDA; on CPU the upload aliases the staging memory): the two staging
+    blocks alternate, so a filled-and-uploaded round keeps its rows while the next one is written."""
+    from graft_spec.retrieval.base import Proposal
+
+    buf = HostCandidateBuffer(2, 4)
+    buf.clear(0, anchor_len=5)
+    buf.put(0, 0, MEMBER_SUFFIX, Proposal([11, 12], [-1, 0], [0.5, 0.25], 2))
+    first = buf.upload(1)
+    buf.clear(0, anchor_len=9)
+    buf.put(0, 0, MEMBER_SUFFIX, Proposal([21], [-1], [1.0], 3))
+    second = buf.upload(1)
+    assert first.tokens[0, :2].tolist() == [11, 12] and first.anchor_len.tolist() == [5]
+    assert second.tokens[0, :1].tolist() == [21] and second.anchor_len.tolist() == [9]
+    assert first.tokens.data_ptr() != second.tokens.data_ptr()

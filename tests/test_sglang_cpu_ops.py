@@ -338,6 +338,21 @@ def test_tree_sampling_is_lossless():
             assert int(parents[0, v % 4]) == u % 4
 
 
+def test_tree_sampling_of_a_root_only_tree_is_plain_sampling():
+    """A verify width of 1 (the batch budget's plain decode round): no candidate, the one emitted
+    token is the bonus, drawn from the root's target row."""
+    torch.manual_seed(1)
+    trials = 20000
+    p_root = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    minus = torch.full((trials, 1), -1, dtype=torch.int64)
+    predicts, accept, num = _sampling_call(torch.zeros(trials, 1, dtype=torch.int64), minus, minus,
+                                           p_root.expand(trials, 1, -1).contiguous(), 1)
+    assert (num == 0).all() and (accept[:, 0] == torch.arange(trials)).all()
+    counts = torch.bincount(predicts.long(), minlength=4).double()
+    chi2 = (((counts - trials * p_root.double()) ** 2) / (trials * p_root.double())).sum()
+    assert chi2 < 16.3, (counts, chi2)  # chi2(3 dof), p = 0.001
+
+
 def test_tree_sampling_refuses_lossy_thresholds():
     cand = torch.tensor([[0, 1]])
     with pytest.raises(ValueError):

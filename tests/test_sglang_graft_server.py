@@ -1,8 +1,10 @@
 """``--speculative-algorithm graft`` on real SGLang server processes (loopback, quick models).
 
 Server starts, one fixture each: the target without speculation (reference outputs), EAGLE-3 with the
-same tree shape (accept-length comparison), graft with *no graft config* (what a new user gets;
-``--enable-metrics``), and graft under the overlap scheduler (``GRAFT_SGLANG_CPU_OVERLAP=1``).
+same tree shape (accept-length comparison), graft with no graft config but the batch budget off (N
+verified every step, the same budget as EAGLE-3; ``--enable-metrics``), graft under the overlap
+scheduler (``GRAFT_SGLANG_CPU_OVERLAP=1``, also N every step), and graft exactly as a new user gets it
+(no config: batch budget on) under the overlap scheduler, SGLang's default on GPUs.
 
 What must hold:
 * greedy graft outputs are token-for-token the no-speculation outputs, for 24 HumanEval prompts, at
@@ -14,7 +16,11 @@ What must hold:
   the ``graft:*`` series are on ``/metrics``;
 * sampling (T=0.8, top-p 0.95) runs with accept length > 1, also under overlap;
 * drafting stops early when retrieval already fills the tree (skipped draft forwards);
-* per-request graft state is freed for finished and aborted requests (server log).
+* per-request graft state is freed for finished and aborted requests (server log);
+* the batch budget switches verify widths (plain decode steps included) with greedy outputs still
+  equal to no-spec at concurrency 1 and 8, reports its widths on ``/server_info`` and ``/metrics``,
+  and a request that opts out (``custom_params: {"graft_speculate": false}``) gets no draft or
+  retrieved token.
 """
 
 from __future__ import annotations
@@ -101,10 +107,14 @@ def eagle3():
         return _run(srv.url, 1)
 
 
+#: N verified every step: the same verify budget as the EAGLE-3 server
+FIXED_N = {"GRAFTCFG_BATCH_BUDGET__ENABLED": "false"}
+
+
 @pytest.fixture(scope="module")
 def graft(reference):
-    """Graft with no graft config (defaults: calibrated expected-gain trees), metrics on."""
-    with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft") as srv:
+    """Graft with no graft config file (calibrated expected-gain trees) and N every step, metrics on."""
+    with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft", env=FIXED_N) as srv:
         yield srv
 
 
@@ -232,7 +242,7 @@ class TestOverlapScheduler:
     @pytest.fixture(scope="class")
     def overlap(self, reference):
         with serve(QUICK / "target", [*COMMON, *GRAFT], name="graft_overlap",
-                   env={"GRAFT_SGLANG_CPU_OVERLAP": "1"}) as srv:
+                   env={"GRAFT_SGLANG_CPU_OVERLAP": "1", **FIXED_N}) as srv:
             yield srv
 
     @pytest.fixture(scope="class")
@@ -259,6 +269,49 @@ class TestOverlapScheduler:
         outs = generate_many(overlap.url, CODE[:6], concurrency=3, max_new_tokens=32, temperature=0.8, top_p=0.95)
         assert all(0 < o["meta_info"]["completion_tokens"] <= 32 for o in outs)
         assert accept_length(outs) > 1.0
+
+
+class TestBatchBudget:
+    """Graft as a new user gets it (no config: the batch budget picks each round's verify width),
+    under the overlap scheduler."""
+
+    @pytest.fixture(scope="class")
+    def budget(self, reference):
+        with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft_budget",
+                   env={"GRAFT_SGLANG_CPU_OVERLAP": "1"}) as srv:
+            yield srv
+
+    @pytest.fixture(scope="class")
+    def budget_c1(self, budget):
+        return _run(budget.url, 1)
+
+    def test_greedy_equal_to_no_speculation_while_widths_switch(self, budget, budget_c1, reference,
+                                                                 record_property):
+        assert not _mismatches(budget_c1, reference), "batch budget, concurrency 1"
+        bad = _mismatches(_run(budget.url, 8), reference)
+        assert not bad, f"batch budget, concurrency 8: prompts {bad} differ"
+        info = _worker_stats(budget.url)
+        b = info["batch_budget"]
+        record_property("batch_budget", json.dumps(b))
+        print("\nSGLANG-GRAFT-BATCH-BUDGET", json.dumps(b))
+        assert b["widths"] == [1, 12, 24]
+        used = {int(w) for w, k in info["verify_widths"].items() if k > 0}
+        assert used == {1, 12, 24}, info["verify_widths"]     # every width measured, plain steps included
+        assert set(b["round_ms"]["1"]) == {"1", "12", "24"} and set(b["round_ms"]["8"]) == {"1", "12", "24"}
+
+    def test_metrics_and_server_info_report_widths(self, budget, budget_c1):
+        text = httpx.get(f"{budget.url}/metrics", timeout=60).text
+        for series in ('graft:verify_rounds_total{width="1"}', 'graft:verify_rounds_total{width="24"}',
+                       "graft:batch_verify_tokens", "graft:verify_width"):
+            assert series in text, f"{series} missing from /metrics"
+        assert _worker_stats(budget.url)["last_batch_verify_tokens"] >= 1
+
+    def test_opted_out_request_gets_no_speculative_token(self, budget, budget_c1, reference):
+        body = {"input_ids": CODE[0], "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW,
+                                                          "custom_params": {"graft_speculate": False}}}
+        out = httpx.post(f"{budget.url}/generate", json=body, timeout=900).json()
+        assert out["output_ids"] == reference[0]
+        assert set(out["meta_info"]["graft_src"]) <= {"t", "p"}, out["meta_info"]["graft_src"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -344,8 +344,11 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     bs, n, vocab = 2, 4, 64
     planner = _planner(successor_k=3)
     planner.history.ensure(8)
+    from graft_spec.budget import BatchBudget
+
     worker = object.__new__(GraftWorker)
     worker.planner, worker.requests, worker.stats = planner, GraftRequestTracker(planner), GraftStats()
+    worker.budget = BatchBudget(planner.config.verify_widths)
     reqs = [_req("x", [1, 2], [10]), _req("y", [3], [20])]
     worker.requests.prepare(reqs)
     tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 0, 22]])
@@ -356,6 +359,7 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     out.member_bins[:, 1:, 0] = 5                                  # every real node: one draft bin
     out.member_bins[1, 2] = -1                                     # (not the padding)
     out.estimates = planner.calibrator.estimates()
+    out.gain = torch.tensor([[0.9, 1.5, 1.8], [0.2, 0.3, 0.3]])    # expected accepted nodes at widths 2..4
     vi = SimpleNamespace(graft_out=out)
     # Request x accepted nodes 0 -> 2 -> 3 (global 0, 2, 3) + bonus 44; y accepted nothing, bonus 55.
     accept_index = torch.tensor([[0, 2, 3, -1], [4, -1, -1, -1]], dtype=torch.int32)
@@ -383,6 +387,11 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     assert summary["calibration"]["draft"]["trials"] == 5
     assert summary["calibration"]["draft"]["observed"] == pytest.approx(2 / 5)
     assert summary["acceptance_by_depth"][1] == {"verified": 3, "observed": pytest.approx(1 / 3)}
+    # the batch budget got each request's expected accept length per width (from the gain curve)
+    widths = planner.config.verify_widths
+    curve = dict(zip(widths, worker.budget._curve["x"]))
+    assert curve[1] == 1.0 and curve[max(widths)] == pytest.approx(1.0 + 1.8)
+    assert worker.budget._observed > 0 and worker.budget._predicted > 0
 
 
 def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
@@ -396,6 +405,7 @@ def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
         s.record_round([[0, 1, -1], [-1, -1, -1]], [[3, 1.5, 1], [0, 0, 0], [2, 1.2, 1], [0, 0, 0]],
                        [[0, 0], [4, 2], [1, 0]])
         s.count_draft_forward(True); s.count_draft_forward(False)
+        s.record_width(12, 3); s.record_width(1, 5)
         reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)
         print(generate_latest(reg).decode())
     """)
@@ -408,6 +418,8 @@ def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
     assert 'graft:calibration_hits_total{member="suffix"} 1.0' in text
     assert 'graft:accepted_nodes_total{depth="1"} 2.0' in text
     assert 'graft:draft_forwards_total{outcome="skipped"} 1.0' in text
+    assert 'graft:verify_rounds_total{width="12"} 1.0' in text
+    assert "graft:batch_verify_tokens 5.0" in text and "graft:verify_width 1.0" in text
 
 
 # ------------------------------------------------------------------ ranks: one config, refusals

@@ -8,13 +8,15 @@ anchored at (the device compares it with its own committed length to re-anchor, 
 
 Layout of the staging tensor ``int64[max_batch, 5, M + 1]`` (one contiguous block per row):
 row 0 tokens, 1 parents (-1 = child of the anchor), 2 log-probabilities (float64 bit patterns),
-3 member source (-1 = empty slot), 4 match length; column M holds the anchor length (row 0) and the
-request's successor-table isolation group (row 1).
+3 member source (-1 = empty slot), 4 match length; column M holds the anchor length (row 0), the
+request's successor-table isolation group (row 1) and whether it speculates (row 2: 0 = the request
+opted out of speculation, its tree carries no candidate).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -37,6 +39,8 @@ class HostCandidates:
         anchor_len: ``int64[B]`` tokens of context (prompt + outputs) the host had seen; the anchor is
             the last of them.
         group: ``int64[B]`` the request's successor-table isolation group.
+        speculate: ``bool[B]`` False for requests that opted out of speculation (no candidate of
+            any source enters their tree; step.py).
     """
 
     tokens: torch.Tensor
@@ -46,6 +50,11 @@ class HostCandidates:
     match: torch.Tensor
     anchor_len: torch.Tensor
     group: torch.Tensor
+    speculate: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.speculate is None:
+            self.speculate = torch.ones_like(self.anchor_len, dtype=torch.bool)
 
     @property
     def width(self) -> int:
@@ -63,6 +72,12 @@ class HostCandidates:
 class HostCandidateBuffer:
     """Pinned staging rows for `HostCandidates` and their upload.
 
+    Two staging blocks alternate: `upload` starts a non-blocking copy of the block the host just
+    filled and the host fills the other one next round. On CUDA the host's next write into a block
+    first waits for the event recorded after that block's copy two uploads earlier (long finished
+    by then: the overlap scheduler runs the host one round ahead of the device), so an in-flight
+    copy never reads rows the host is rewriting.
+
     Args:
         max_batch: rows (the engine's largest batch).
         width: M, candidates per request.
@@ -72,9 +87,20 @@ class HostCandidateBuffer:
     def __init__(self, max_batch: int, width: int, device: torch.device | str = "cpu"):
         self.width, self.device = max(width, 0), torch.device(device)
         pin = self.device.type == "cuda"
-        self.staging = torch.zeros(max(1, max_batch), 5, width + 1, dtype=torch.int64, pin_memory=pin)
+        self._blocks = [torch.zeros(max(1, max_batch), 5, width + 1, dtype=torch.int64, pin_memory=pin)
+                        for _ in range(2)]
+        self._copied: list = [None, None]     # CUDA event after each block's last upload
+        self._use(0)
+
+    def _use(self, block: int) -> None:
+        """Make ``block`` the one the host fills (waiting for its previous upload to finish)."""
+        event = self._copied[block]
+        if event is not None:
+            event.synchronize()
+        self._cur = block
+        self.staging = self._blocks[block]
         self._np = self.staging.numpy()
-        self._logp = self._np[:, 2, :width].view(np.float64)
+        self._logp = self._np[:, 2, : self.width].view(np.float64)
 
     @property
     def max_batch(self) -> int:
@@ -85,12 +111,13 @@ class HostCandidateBuffer:
         if batch > self.max_batch:
             self.__init__(batch, self.width, self.device)
 
-    def clear(self, row: int, anchor_len: int, group: int = 0) -> None:
-        """Empty a row and set its anchor length and isolation group."""
+    def clear(self, row: int, anchor_len: int, group: int = 0, speculate: bool = True) -> None:
+        """Empty a row and set its anchor length, isolation group and opt-out flag."""
         r = self._np[row]
         r[3, :] = -1
         r[0, self.width] = anchor_len
         r[1, self.width] = group
+        r[2, self.width] = int(speculate)
 
     def put(self, row: int, offset: int, member: int, proposal: Proposal) -> int:
         """Write a proposal at columns ``offset ..`` of ``row`` (parents re-based); returns the number
@@ -110,9 +137,16 @@ class HostCandidateBuffer:
         return n
 
     def upload(self, batch: int) -> HostCandidates:
-        """The first ``batch`` rows on the device: one (non-blocking, from pinned memory) copy."""
+        """The first ``batch`` rows on the device: one (non-blocking, from pinned memory) copy; the
+        host then fills the other staging block."""
         dev = self.staging[:batch].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._cur] = event
+        self._use(1 - self._cur)
         m = self.width
         return HostCandidates(
             tokens=dev[:, 0, :m], parents=dev[:, 1, :m], logp=dev[:, 2, :m].view(torch.float64).float(),
-            member=dev[:, 3, :m], match=dev[:, 4, :m], anchor_len=dev[:, 0, m], group=dev[:, 1, m])
+            member=dev[:, 3, :m], match=dev[:, 4, :m], anchor_len=dev[:, 0, m], group=dev[:, 1, m],
+            speculate=dev[:, 2, m] != 0)

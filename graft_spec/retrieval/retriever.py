@@ -65,10 +65,13 @@ class Retriever:
         for s in self.sources:
             s.stop(req_id)
 
-    def fill(self, buffer: HostCandidateBuffer, row: int, req_id: Hashable, anchor_len: int, group: int = 0) -> None:
+    def fill(self, buffer: HostCandidateBuffer, row: int, req_id: Hashable, anchor_len: int, group: int = 0,
+             speculate: bool = True) -> None:
         """Write the request's proposals into ``row`` (each source gets an equal share of the width;
-        a share one source leaves unused goes to the next)."""
-        buffer.clear(row, anchor_len, group)
+        a share one source leaves unused goes to the next); an opted-out request's row stays empty."""
+        buffer.clear(row, anchor_len, group, speculate)
+        if not speculate:
+            return
         offset, left = 0, len(self.sources)
         for s in self.sources:
             share = (buffer.width - offset) // left

@@ -128,6 +128,10 @@ def main(argv: List[str] | None = None) -> int:
                     row["calibration"] = calibration_delta(before, after)
                     row["draft_forwards"] = {k: after["draft_forwards"][k] - before["draft_forwards"][k]
                                              for k in after["draft_forwards"]}
+                    widths = _width_rounds(before, after)
+                    if widths:  # the batch budget: the mean width it verified per request and round
+                        row["verify_widths"] = widths
+                        row["verified_tokens_per_step"] = sum(int(w) * k for w, k in widths.items()) / sum(widths.values())
                 outputs = [r.output_ids for r in run.results]
                 if spec.method == "nospec" and c == min(a.concurrency):
                     if mode == "greedy":
@@ -157,11 +161,17 @@ def main(argv: List[str] | None = None) -> int:
     return 0
 
 
+def _width_rounds(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, int]:
+    """Decode rounds per verify width during one run (``/server_info`` ``verify_widths`` delta)."""
+    b, a = before.get("verify_widths") or {}, after.get("verify_widths") or {}
+    return {w: a[w] - b.get(w, 0) for w in a if a[w] - b.get(w, 0) > 0}
+
+
 def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One row for a sampled (set, mode, concurrency): rates averaged over the seeds, counts summed."""
     row = dict(group[0])
     row["seed"] = [g["seed"] for g in group]
-    for key in ("tau", "tokens_per_s", "wall_s", "mean_latency_s", "output_tokens"):
+    for key in ("tau", "tokens_per_s", "wall_s", "mean_latency_s", "output_tokens", "verified_tokens_per_step"):
         row[key] = sum(g[key] for g in group) / len(group)
     shares = [g["grafted_accept_share"] for g in group if g.get("grafted_accept_share") is not None]
     row["grafted_accept_share"] = sum(shares) / len(shares) if shares else None

@@ -1,15 +1,18 @@
 """The benchmarked methods and the SGLang server arguments each one runs with.
 
-Every speculative method verifies at most N tokens per request per step (the same budget):
+Every speculative method verifies at most N tokens per request per step (the same budget); all but
+``graft`` verify exactly N every step (graft's batch budget may pick a narrower width, or a plain
+decode step, when that gives more tokens per second):
 
 | method | server |
 |---|---|
 | ``nospec`` | the target alone (every run's reference) |
 | ``eagle3`` | SGLang's EAGLE-3 (``--speculative-algorithm EAGLE3``), top-k x depth, N |
 | ``ngram`` | SGLang's NGRAM (retrieval from its own trie, ``--speculative-num-draft-tokens N``) |
-| ``retrieval_only`` | graft with no draft node selected (``--graft-draft-nodes false``) |
-| ``pruned_only`` | graft with retrieval off (the draft tree alone, priced and cut by the calibration) |
-| ``graft`` | graft with no graft config at all: what a user gets out of the box |
+| ``retrieval_only`` | graft with no draft node selected (``--graft-draft-nodes false``), fixed N |
+| ``pruned_only`` | graft with retrieval off (the draft tree alone, priced and cut by the calibration), fixed N |
+| ``graft_fixed`` | graft with the batch budget off (``--graft-batch-budget-enabled false``): N every step |
+| ``graft`` | graft with no graft config at all: what a user gets out of the box (batch budget on) |
 | ``graft_paper`` | graft with the paper's threshold checkpoints (``--thresholds``), for reference |
 """
 
@@ -22,11 +25,14 @@ from typing import List, Optional, Sequence
 STAGE_KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
 #: The third-party reimplementation's thresholds (configs/qwen3-8b-paper.yaml); small heads need their own.
 STAGE_THRESHOLDS = (0.35, 0.25, 0.15)
-METHODS = ("nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft", "graft_paper")
+METHODS = ("nospec", "eagle3", "ngram", "retrieval_only", "pruned_only", "graft_fixed", "graft", "graft_paper")
+_FIXED = ["--graft-batch-budget-enabled", "false"]
 _GRAFT_EXTRA = {
     "graft": [],
-    "retrieval_only": ["--graft-draft-nodes", "false"],
-    "pruned_only": ["--graft-retrieval", "none"],
+    "graft_fixed": _FIXED,
+    "graft_paper": _FIXED,
+    "retrieval_only": ["--graft-draft-nodes", "false", *_FIXED],
+    "pruned_only": ["--graft-retrieval", "none", *_FIXED],
 }
 
 
@@ -84,8 +90,7 @@ class MethodSpec:
 
             cps = stage_checkpoints(self.num_draft_tokens, self.steps, self.thresholds)
             args += ["--graft-checkpoints", json.dumps(cps)]
-        else:
-            args += _GRAFT_EXTRA.get(self.method, [])
+        args += _GRAFT_EXTRA.get(self.method, [])
         return args
 
 

@@ -16,7 +16,9 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
         tau: mean accepted tokens per verify step, bonus included (completion tokens / verify steps,
             over all requests); 1.0 without speculation.
         accept_hist: accept-length histogram, index = accept length (bonus included), counts of steps.
-        verified_tokens_per_step: tokens the target verifies per step (N; 1 without speculation).
+        verified_tokens_per_step: tokens the target verifies per request per step (N; 1 without
+            speculation; for graft's batch budget the run's mean width, set by the caller from
+            ``/server_info``).
         output_tokens, wall_s, tokens_per_s (output tokens / wall seconds), mean_latency_s.
         grafted_accept_share: share of accepted draft-tree tokens that came from grafted
             (retrieved) nodes, from Graft's ``graft_src`` letters; None for other methods.
@@ -45,7 +47,7 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
     }
 
 
-PEERS = ("eagle3", "ngram", "retrieval_only", "pruned_only")
+PEERS = ("eagle3", "ngram", "retrieval_only", "pruned_only", "graft_fixed")
 
 
 def _group(row: Dict[str, Any]) -> tuple:

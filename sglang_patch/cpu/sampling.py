@@ -105,7 +105,8 @@ def tree_speculative_sampling_target_only(
     path = result.accept_index
     nxt = candidates.to(torch.int64).gather(1, path[:, 1:].clamp(min=0))
     last = (path >= 0).sum(dim=1) - 1
-    path_tokens = torch.cat([nxt, torch.zeros_like(nxt[:, :1])], dim=1)
+    # one column more than the path's children, also for a root-only tree (N = 1: nxt is [B, 0])
+    path_tokens = torch.cat([nxt, nxt.new_zeros(nxt.shape[0], 1)], dim=1)
     path_tokens.scatter_(1, last[:, None], result.bonus.to(torch.int64)[:, None])
     write_accepted_path(path, path_tokens, predicts, accept_index, accept_token_num, retrive_index,
                         accept_index.shape[1])

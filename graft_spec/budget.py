@@ -1,0 +1,212 @@
+"""The batch-aware verify budget: how many tokens each request of a decode round verifies.
+
+Speculation pays while the tokens it gains are worth more than the verify (and draft) compute it
+adds; with many requests in the batch the verify forward stops being memory-bound and every extra
+node costs real time. `BatchBudget` treats the batch as one budget: each round it picks one verify
+width ``w`` for all requests from a small fixed set (``GraftConfig.verify_widths``, e.g.
+``(1, 12, 24)``; width 1 is a plain decode step), the one with the most expected tokens per second:
+
+    value(w) = sum over requests of E_i[accept length | w]  /  t(batch-size bucket, w)
+
+* **Gain, in the calibrated currency.** ``E_i[accept | w] = 1 + c * gain_i(w)`` where ``gain_i(w)``
+  is the sum of the calibrated estimates of the ``w - 1`` best candidates of the request's last
+  speculative round (`graft_spec.graft.merge_select`'s gain curve, priced for every width from one
+  candidate pool; `graft_spec.pipeline.RoundStats.expected`), and ``c`` the running ratio of observed
+  to predicted accepted nodes (it corrects a biased calibration as a whole). A request that opted out
+  of speculation gains 1 whatever ``w``.
+* **Cost, measured on the serving device.** ``t(bucket, w)``: the median of the last ``time_window``
+  wall times of rounds run at width ``w`` with a batch in the same power-of-two size bucket, measured
+  by the engine adapter between round launches (no device read: under the overlap scheduler the
+  launch period is the round time). A median, not a moving average: a launch-to-launch time
+  sometimes spans an idle gap or a first-use warm-up (seen: one 800 ms sample among 23-37 ms rounds
+  priced the full width out for the rest of a run). Each (bucket, width) is measured
+  ``min_samples`` times before it competes, and a width that is not the current best is re-measured
+  once every ``explore_every`` rounds of the bucket.
+* **Static shapes.** The width is uniform over the batch and comes from a fixed set, so each width
+  is one CUDA-graph capture set (built at startup by the engine adapter); per-request allocation
+  inside a round is by selection (a request whose candidates are worth little gets padding, which
+  costs the same compute). Ragged per-request widths (SGLang's ``supports_ragged_verify``) are not
+  used: SGLang 0.5.23 wires them for DSPARK only.
+
+Source: the batch as one budgeted super-tree is ECHO's idea (arXiv 2604.09603, SGLang PR #33295);
+switching the verify shape per round reuses SGLang's adaptive runtime states
+(``speculative/adaptive_runtime_state.py``), which SGLang itself only uses for chains.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .config import BatchBudgetConfig
+
+__all__ = ["BatchBudget", "size_bucket"]
+
+#: bounds of the observed / predicted correction factor
+_CORRECTION_RANGE = (0.2, 1.5)
+#: weight of the newest round in the correction factor and in the mean gain curve
+_GAIN_EMA = 0.05
+
+
+def size_bucket(batch_size: int) -> int:
+    """The power of two >= ``batch_size`` (round times are kept per bucket)."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
+
+
+@dataclass
+class _Timing:
+    window: Deque[float]
+    samples: int = 0
+    last_round: int = 0
+
+    @property
+    def seconds(self) -> float:
+        """Median of the window (0 before any sample)."""
+        return float(np.median(self.window)) if self.window else 0.0
+
+
+@dataclass
+class _Choice:
+    width: int
+    batch_size: int
+    reason: str                      # "explore", "best", "opt-out"
+    values: Dict[int, float] = field(default_factory=dict)
+
+
+class BatchBudget:
+    """Host-side chooser of each decode round's verify width (pure Python / numpy, no device).
+
+    Args:
+        widths: the allowed per-request verify widths, strictly increasing, root included.
+        config: `BatchBudgetConfig` (exploration and averaging).
+    Raises:
+        ValueError: empty or unsorted ``widths``.
+    """
+
+    def __init__(self, widths: Sequence[int], config: Optional[BatchBudgetConfig] = None):
+        widths = tuple(int(w) for w in widths)
+        if not widths or list(widths) != sorted(set(widths)) or widths[0] < 1:
+            raise ValueError(f"BatchBudget: widths={list(widths)} must be strictly increasing, >= 1")
+        self.widths = widths
+        self.config = config or BatchBudgetConfig()
+        self._col = {w: i for i, w in enumerate(widths)}
+        self._timing: Dict[Tuple[int, int], _Timing] = {}
+        self._rounds: Dict[int, int] = {}
+        self._curve: Dict[Hashable, np.ndarray] = {}
+        self._mean_curve = np.ones(len(widths))
+        self._predicted = 0.0         # EMA of predicted accepted nodes (bonus excluded) per request-round
+        self._observed = 0.0
+        self.rounds_by_width: Dict[int, int] = {w: 0 for w in widths}
+        self.last: Optional[_Choice] = None
+
+    # ------------------------------------------------------------------ decisions
+    @property
+    def correction(self) -> float:
+        """Observed / predicted accepted nodes over recent speculative rounds (1 before any)."""
+        if self._predicted < 1e-3:
+            return 1.0
+        lo, hi = _CORRECTION_RANGE
+        return float(min(hi, max(lo, self._observed / self._predicted)))
+
+    def expected_accept(self, rids: Sequence[Hashable], speculate: Sequence[bool]) -> np.ndarray:
+        """``float64[B, W]``: each request's expected accept length at every width (corrected)."""
+        out = np.ones((len(rids), len(self.widths)))
+        c = self.correction
+        for i, (rid, spec) in enumerate(zip(rids, speculate)):
+            if spec:
+                curve = self._curve.get(rid, self._mean_curve)
+                out[i] = 1.0 + c * np.maximum(curve - 1.0, 0.0)
+        out[:, [self._col[w] for w in self.widths if w <= 1]] = 1.0
+        return out
+
+    def choose(self, rids: Sequence[Hashable], speculate: Optional[Sequence[bool]] = None) -> int:
+        """The verify width of the next round for a batch of these requests.
+
+        Args:
+            rids: request ids of the batch, row order.
+            speculate: per request False = opted out of speculation (default all True).
+        Returns:
+            one of `widths`.
+        """
+        bs = len(rids)
+        speculate = [True] * bs if speculate is None else [bool(s) for s in speculate]
+        if not any(speculate):
+            return self._pick(self.widths[0], bs, "opt-out")
+        bucket = size_bucket(bs)
+        r = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
+        cfg = self.config
+        pending = [w for w in reversed(self.widths) if self._time(bucket, w).samples < cfg.min_samples]
+        if pending:
+            return self._pick(min(pending, key=lambda w: self._time(bucket, w).samples), bs, "explore")
+        gains = self.expected_accept(rids, speculate).sum(axis=0)
+        values = {w: float(gains[self._col[w]] / max(self._time(bucket, w).seconds, 1e-9)) for w in self.widths}
+        best = max(self.widths, key=lambda w: (values[w], -w))
+        if r % cfg.explore_every == 0 and len(self.widths) > 1:
+            stale = min((w for w in self.widths if w != best), key=lambda w: self._time(bucket, w).last_round)
+            return self._pick(stale, bs, "explore", values)
+        return self._pick(best, bs, "best", values)
+
+    def _pick(self, width: int, bs: int, reason: str, values: Optional[dict] = None) -> int:
+        self.last = _Choice(width, bs, reason, values or {})
+        self.rounds_by_width[width] += 1
+        return width
+
+    def _time(self, bucket: int, width: int) -> _Timing:
+        t = self._timing.get((bucket, width))
+        if t is None:
+            t = self._timing[(bucket, width)] = _Timing(deque(maxlen=self.config.time_window))
+        return t
+
+    # ------------------------------------------------------------------ measurements
+    def round_time(self, width: int, batch_size: int, seconds: float) -> None:
+        """A measured round: ``width`` per request, ``batch_size`` requests, ``seconds`` of wall time
+        (launch to next launch)."""
+        if width not in self._col or seconds <= 0:
+            return
+        bucket = size_bucket(batch_size)
+        t = self._time(bucket, width)
+        t.window.append(float(seconds))
+        t.samples += 1
+        t.last_round = self._rounds.get(bucket, 0)
+
+    def observe(self, rids: Sequence[Hashable], expected: Optional[np.ndarray],
+                accept_lens: Sequence[int]) -> None:
+        """A verified round's host results.
+
+        Args:
+            rids: the round's request ids (row order).
+            expected: ``float[B, W + 1]`` `RoundStats.expected` (expected accept length at every width,
+                then at the width verified), or None for a plain round.
+            accept_lens: per request the tokens the round emitted (bonus included).
+        """
+        if expected is None:
+            return
+        expected = np.asarray(expected, dtype=np.float64)
+        for i, rid in enumerate(rids):
+            curve = expected[i, : len(self.widths)]
+            self._curve[rid] = curve
+            self._mean_curve += _GAIN_EMA * (curve - self._mean_curve)
+            self._predicted += _GAIN_EMA * (max(expected[i, -1] - 1.0, 0.0) - self._predicted)
+            self._observed += _GAIN_EMA * (max(accept_lens[i] - 1, 0) - self._observed)
+
+    def forget(self, rid: Hashable) -> None:
+        """Drop a finished request's gain curve."""
+        self._curve.pop(rid, None)
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict:
+        """The ``/server_info`` view: widths, rounds per width, the last choice, the correction factor
+        and the measured round times (ms) per batch-size bucket and width."""
+        times: Dict[str, Dict[str, float]] = {}
+        for (bucket, w), t in sorted(self._timing.items()):
+            if t.samples:
+                times.setdefault(str(bucket), {})[str(w)] = round(t.seconds * 1e3, 3)
+        last = self.last
+        return {"widths": list(self.widths), "rounds_by_width": {str(k): v for k, v in self.rounds_by_width.items()},
+                "last_width": last.width if last else None, "last_batch_size": last.batch_size if last else None,
+                "last_batch_tokens": last.width * last.batch_size if last else None,
+                "last_reason": last.reason if last else None, "correction": round(self.correction, 4),
+                "round_ms": times, "tracked_requests": len(self._curve)}

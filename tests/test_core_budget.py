@@ -1,0 +1,190 @@
+"""The batch-aware verify budget: narrower trees priced from the same candidates (gain curve), the
+per-request opt-out, the plain (width 1) round's bookkeeping, and `BatchBudget`'s choices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from graft_spec.budget import BatchBudget, size_bucket
+from graft_spec.config import BatchBudgetConfig, GraftConfig
+from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
+from graft_spec.tree import SOURCE_PADDING, has_duplicate_siblings, validate_parents
+
+from test_core_step import HostReadGuard, dense_inputs
+
+
+def _planner(n=24, topk=4, depth=4, **budget):
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=depth, batch_budget=BatchBudgetConfig(**budget))
+    return GraftPlanner(cfg, 5000, max_slots=64), cfg
+
+
+def test_default_widths_and_validation():
+    assert GraftConfig().verify_widths == (1, 12, 24)
+    assert GraftConfig(num_draft_tokens=60, topk=10, depth=7).verify_widths == (1, 30, 60)
+    assert GraftConfig(batch_budget={"enabled": False}).verify_widths == (24,)
+    assert GraftConfig(batch_budget={"widths": [1, 8]}).verify_widths == (1, 8)
+    for bad in ([8, 1], [1, 1, 8], [0, 8], [1, 25]):
+        with pytest.raises(ValidationError, match="batch_budget.widths"):
+            GraftConfig(batch_budget={"widths": bad})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gain_curve_prices_every_width_from_the_same_candidates(seed):
+    """The full-width step's gain curve at w equals the estimated accept length of the tree the
+    width-w step actually builds (same inputs): one currency across widths."""
+    planner, cfg = _planner()
+    gen = torch.Generator().manual_seed(seed)
+    args = dense_inputs(8, 4, 4, 5000, 64, "cpu", gen)
+    full = planner.build(*args)
+    for w in (2, 5, 12, 24):
+        out = planner.build(*args, num_nodes=w)
+        assert out.tree.tokens.shape == (8, w)
+        validate_parents(out.tree.parents)
+        assert not has_duplicate_siblings(out.tree.tokens, out.tree.parents).any()
+        got = full.expected_accept_at((w,))[:, 0]
+        want = 1.0 + out.tree.logp[:, 1:].exp().sum(dim=1)
+        assert torch.allclose(got, want, atol=1e-4), (w, got, want)
+    curve = full.expected_accept_at(cfg.verify_widths)
+    assert torch.all(curve[:, 0] == 1.0) and torch.all(curve[:, 1:].diff(dim=1) >= -1e-6)
+
+
+def test_narrow_step_has_no_host_read():
+    planner, _ = _planner()
+    args = dense_inputs(4, 4, 4, 5000, 64, "cpu", torch.Generator().manual_seed(3))
+    with HostReadGuard() as guard:
+        planner.build(*args, num_nodes=12)
+    assert guard.bad == []
+
+
+def test_opted_out_rows_get_no_candidate():
+    planner, _ = _planner()
+    draft, roots, host, slots, seq_lens, sampled = dense_inputs(4, 4, 4, 5000, 64, "cpu",
+                                                                torch.Generator().manual_seed(4))
+    host.speculate = torch.tensor([True, False, True, False])
+    out = planner.build(draft, roots, host, slots, seq_lens, sampled)
+    src = out.tree.source[:, 1:]
+    assert torch.all(src[1] == SOURCE_PADDING) and torch.all(src[3] == SOURCE_PADDING)
+    assert torch.any(src[0] != SOURCE_PADDING) and torch.any(src[2] != SOURCE_PADDING)
+    assert torch.all(out.expected_accept_at((24,))[[1, 3], 0] == 1.0)
+
+
+def test_buffer_carries_the_opt_out_flag():
+    planner, _ = _planner()
+    planner.start_request("a", [1, 2, 3, 1, 2, 3, 1, 2])
+    planner.start_request("b", [1, 2, 3, 1, 2, 3, 1, 2])
+    host = planner.host_candidates(["a", "b"], [True, False])
+    assert host.speculate.tolist() == [True, False]
+    assert (host.member[0] >= 0).any() and not (host.member[1] >= 0).any()
+
+
+def test_plain_round_appends_to_the_history_and_prices_nothing():
+    planner, _ = _planner()
+    roots = torch.tensor([7, 9])
+    slots = torch.tensor([0, 1])
+    out = planner.plain(roots, torch.tensor([3, 4]))
+    assert out.tree.tokens.shape == (2, 1) and out.mask.shape == (2, 1, 1)
+    on_path = on_path_from_accept_index(torch.tensor([[0], [1]]), 1)
+    committed = torch.tensor([[11], [12]])
+    stats = planner.observe(out, on_path, None, committed, torch.tensor([1, 1]), slots)
+    assert stats.expected is None and stats.sources.shape == (2, 0)
+    hist, count = planner.history.gather(slots)
+    assert hist[:, -1].tolist() == [11, 12] and count.tolist() == [1, 1]
+
+
+def test_round_stats_carry_expected_accept_per_width():
+    planner, cfg = _planner()
+    args = dense_inputs(3, 4, 4, 5000, 64, "cpu", torch.Generator().manual_seed(5))
+    out = planner.build(*args, num_nodes=12)
+    on_path = torch.zeros(3, 12, dtype=torch.bool)
+    on_path[:, 0] = True
+    stats = planner.observe(out, on_path, None, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, dtype=torch.int64),
+                            args[3])
+    assert stats.expected.shape == (3, len(cfg.verify_widths) + 1)
+    assert torch.allclose(stats.expected[:, 1], stats.expected[:, -1])     # width 12 = the verified one
+
+
+# ---------------------------------------------------------------------- BatchBudget (host)
+def _run(budget, rids, times, curve, rounds=200, accept=None):
+    """Drive ``budget`` with a synthetic device: round time ``times[w]`` (s), every request's
+    expected accept ``curve[w]`` and an observed accept length equal to it (rounded)."""
+    widths = budget.widths
+    chosen = []
+    for _ in range(rounds):
+        w = budget.choose(rids)
+        chosen.append(w)
+        budget.round_time(w, len(rids), times[w])
+        if w > 1:
+            exp = np.array([[curve[x] for x in widths] + [curve[w]]] * len(rids))
+            obs = accept[w] if accept else int(round(curve[w]))
+            budget.observe(rids, exp, [obs] * len(rids))
+    return chosen
+
+
+def test_budget_picks_the_width_with_most_tokens_per_second():
+    rids = list(range(8))
+    curve = {1: 1.0, 12: 3.0, 24: 3.5}
+    cheap = BatchBudget((1, 12, 24))          # verify nearly free: the widest tree wins
+    chosen = _run(cheap, rids, {1: 1.0, 12: 1.05, 24: 1.1}, curve)
+    assert chosen[-50:].count(24) >= 45
+    dear = BatchBudget((1, 12, 24))           # compute-bound: a 24-wide round costs 5x a decode step
+    chosen = _run(dear, rids, {1: 1.0, 12: 3.2, 24: 5.0}, curve)
+    assert chosen[-50:].count(1) >= 45
+    mid = BatchBudget((1, 12, 24))
+    chosen = _run(mid, rids, {1: 1.0, 12: 1.5, 24: 3.0}, curve)
+    assert chosen[-50:].count(12) >= 45
+
+
+def test_budget_measures_every_width_and_re_explores():
+    b = BatchBudget((1, 12, 24), BatchBudgetConfig(explore_every=10, min_samples=2))
+    chosen = _run(b, ["a"], {1: 1.0, 12: 1.05, 24: 1.1}, {1: 1.0, 12: 3.0, 24: 3.5}, rounds=100)
+    assert sorted(chosen[:6]) == [1, 1, 12, 12, 24, 24]        # each width measured min_samples times
+    later = chosen[6:]
+    assert later.count(24) >= 80 and 1 in later and 12 in later  # exploration revisits the others
+    assert b.summary()["round_ms"]["1"] == {"1": 1000.0, "12": 1050.0, "24": 1100.0}
+
+
+def test_one_slow_sample_does_not_price_a_width_out():
+    """A launch-to-launch time that spans an idle gap (seen: 800 ms among 23-37 ms rounds) is one
+    sample of the window; the median keeps the width competitive."""
+    b = BatchBudget((1, 12, 24), BatchBudgetConfig(min_samples=3))
+    rids = list(range(4))
+    curve = {1: 1.0, 12: 3.0, 24: 3.5}
+    b.round_time(24, 4, 30.0)                                  # the outlier comes first
+    chosen = _run(b, rids, {1: 1.0, 12: 1.05, 24: 1.1}, curve, rounds=100)
+    assert chosen[-50:].count(24) >= 45
+    assert b.summary()["round_ms"]["4"]["24"] == 1100.0
+
+
+def test_budget_buckets_by_batch_size():
+    assert [size_bucket(x) for x in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    b = BatchBudget((1, 24), BatchBudgetConfig(min_samples=1))
+    curve = {1: 1.0, 24: 2.0}
+    small = _run(b, ["a"], {1: 1.0, 24: 1.2}, curve, rounds=40)
+    big = _run(b, list(range(32)), {1: 1.0, 24: 4.0}, curve, rounds=40)
+    assert small[-10:] == [24] * 10 and big[-10:] == [1] * 10
+
+
+def test_budget_correction_follows_observed_acceptance():
+    """A calibration that promises 3.5 while 1.2 is accepted must not keep speculation on."""
+    rids = list(range(8))
+    b = BatchBudget((1, 24))
+    chosen = _run(b, rids, {1: 1.0, 24: 1.8}, {1: 1.0, 24: 3.5}, rounds=300, accept={24: 1})
+    assert b.correction < 0.5
+    assert chosen[-50:].count(1) >= 45
+
+
+def test_budget_opt_out():
+    b = BatchBudget((1, 12, 24))
+    assert b.choose(["a", "b"], [False, False]) == 1
+    assert b.last.reason == "opt-out"
+    exp = b.expected_accept(["a", "b"], [True, False])
+    assert exp[1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_budget_rejects_bad_widths():
+    for bad in ((), (12, 1), (0, 4)):
+        with pytest.raises(ValueError, match="widths"):
+            BatchBudget(bad)
