@@ -63,6 +63,7 @@ from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from graft_spec.budget import BatchBudget
+from graft_spec.graphs import StepGraphs
 from graft_spec.pipeline import GraftPlanner, RoundStats, on_path_from_accept_index
 from graft_spec.prune import DraftStopGate
 from graft_spec.retrieval.buffer import HostCandidates
@@ -232,8 +233,9 @@ class GraftDraftWorker(EagleDraftWorker):
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         self.graft._slots()
         host, draft = self.graft.inject_fault(host, draft)
-        out = self.graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens,
-                                       self.graft.sampled_rows(batch), num_nodes=num_draft_tokens)
+        build = self.graft.step_graphs.build if self.graft.step_graphs is not None else self.graft.planner.build
+        out = build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, self.graft.sampled_rows(batch),
+                    num_nodes=num_draft_tokens)
         group = self.graft.tp_group()
         if group is not None:  # every rank verifies the first rank's tree (one broadcast)
             packed, gain = out.pack(), out.gain
@@ -333,6 +335,8 @@ class GraftWorker(EAGLEWorkerV2):
         #: the batch budget (None: one width, N, every round)
         self.budget = BatchBudget(widths, self.config.batch_budget) if len(widths) > 1 else None
         self.width_states = WidthStates(self)
+        #: the graft step's CUDA graphs (`init_cuda_graphs`; None: the step runs eagerly)
+        self.step_graphs: Optional[StepGraphs] = None
         self._launch: Optional[tuple] = None        # (width, batch size, perf_counter) of the last decode launch
         if self._draft_worker is not None:
             self._draft_worker.__class__ = GraftDraftWorker
@@ -420,10 +424,28 @@ class GraftWorker(EAGLEWorkerV2):
 
     # ------------------------------------------------------------------ batch budget
     def init_cuda_graphs(self):
-        """SGLang's capture, then one runtime state per further verify width (`WidthStates`)."""
+        """SGLang's capture, then one runtime state per further verify width (`WidthStates`), then
+        the graft step's own graphs (`graft_spec.graphs.StepGraphs`, CUDA with graphs on only)."""
         super().init_cuda_graphs()
         if self.budget is not None and self._draft_worker is not None:
             self.width_states.build(self.budget.widths)
+        self.step_graphs = self._capture_step_graphs()
+
+    def _capture_step_graphs(self) -> Optional[StepGraphs]:
+        """One graph per (SGLang decode batch size, verify width) of `GraftPlanner.build`: a round
+        replays ~1,100 kernels in one launch (H100: 19-29 ms eager -> 1.6-3.3 ms, docs/benchmark.md).
+        None on CPU, with ``--disable-cuda-graph`` and without a draft worker."""
+        if self._draft_worker is None or torch.device(self.device).type != "cuda":
+            return None
+        if _ev2.check_cuda_graph_backend(_ev2.Phase.DECODE, _ev2.Backend.DISABLED):
+            return None
+        self._slots()  # the token history is read inside the graphs: size it before capture
+        graphs = StepGraphs(self.planner, self.topk + (self.speculative_num_steps - 1) * self.topk ** 2,
+                            _ev2.get_exec().graph.cuda_graph_bs_decode, self.config.verify_widths)
+        graphs.capture()
+        logger.info("graft step graphs: %d captured (batch sizes %s, widths %s)", graphs.captured,
+                    list(graphs.buckets), list(graphs.widths))
+        return graphs
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         """``EAGLEWorkerV2.forward_batch_generation`` with the round's verify width chosen first."""

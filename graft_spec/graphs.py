@@ -1,0 +1,156 @@
+"""The graft step replayed from CUDA graphs: one launch per round instead of ~1,100 eager kernels.
+
+`GraftPlanner.build` is static-shape and sync-free (step.py), so it can be captured. Measured on one
+H100 (scripts/bench_step_cuda.py, Qwen3 vocabulary, build + bookkeeping per round): eagerly the
+round costs 19-29 ms of launch-bound time for ~1,100 small kernels; replayed from a graph 1.6-3.3
+ms, with trees equal to the eager ones. An 8B target's verify forward is a few ms, so the eager
+step would dominate every round; SGLang captures its own draft forwards and tree build the same way
+(``cuda_graph_runner``, ``eagle_draft_cuda_graph_runner.py``).
+
+`StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
+round copies its inputs into the first ``B`` rows of the smallest bucket that holds the batch
+(padding rows keep earlier valid values, their trees are dropped), replays, and clones the first
+``B`` rows of the outputs (graphs share one memory pool, so a later replay may reuse an earlier
+one's output memory). The planner's tables (calibration counts, successor table, token history)
+are read inside the graph at their fixed addresses: they are updated in place by
+`GraftPlanner.observe` and must not be reallocated after `capture` (size the token history first).
+
+Batches larger than the largest bucket, devices other than CUDA and widths not captured run the
+eager `GraftPlanner.build`: same function, same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .pipeline import GraftPlanner
+from .retrieval.buffer import HostCandidates
+from .step import DraftCandidates, StepOutput
+from .tree import DraftTree
+
+__all__ = ["StepGraphs"]
+
+
+@dataclass
+class _Static:
+    """The captured inputs of one batch bucket (``[bucket, ...]``)."""
+
+    draft: DraftCandidates
+    roots: torch.Tensor
+    host: HostCandidates
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    sampled: torch.Tensor
+
+    def load(self, draft: DraftCandidates, roots, host: HostCandidates, slots, seq_lens, sampled) -> None:
+        """Copy a batch of ``B <= bucket`` rows into the first ``B`` rows (device copies only)."""
+        b = roots.shape[0]
+        for f in fields(DraftCandidates):
+            getattr(self.draft, f.name)[:b].copy_(getattr(draft, f.name))
+        for f in fields(HostCandidates):
+            getattr(self.host, f.name)[:b].copy_(getattr(host, f.name))
+        self.roots[:b].copy_(roots)
+        self.slots[:b].copy_(slots)
+        self.seq_lens[:b].copy_(seq_lens)
+        self.sampled[:b].copy_(sampled)
+
+
+def _rows(out: StepOutput, b: int) -> StepOutput:
+    """Clones of the first ``b`` rows of a replayed `StepOutput` (estimates: the whole table)."""
+    tree = DraftTree(*(t[:b].clone() for t in (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source)))
+    cut = lambda t: None if t is None else t[:b].clone()  # noqa: E731
+    return StepOutput(tree, cut(out.member_bins), cut(out.depth), cut(out.positions), cut(out.mask),
+                      cut(out.first_child), cut(out.next_sibling), out.estimates.clone(), cut(out.groups),
+                      cut(out.gain))
+
+
+class StepGraphs:
+    """`GraftPlanner.build` captured per (batch bucket, verify width) and replayed (module docstring).
+
+    Args:
+        planner: the planner whose step is captured (its device must be CUDA for `capture`).
+        draft_width: S, draft candidates per row (SGLang's dense tree: topk + (steps - 1) * topk**2).
+        buckets: batch sizes to capture, e.g. SGLang's ``cuda_graph_bs``; a batch is padded up to the
+            smallest bucket that holds it.
+        widths: verify widths to capture (>= 2; default the planner's, see `GraftConfig.verify_widths`).
+    Raises:
+        ValueError: no bucket, a bucket < 1, or a width outside 2..N.
+    """
+
+    def __init__(self, planner: GraftPlanner, draft_width: int, buckets: Sequence[int],
+                 widths: Optional[Sequence[int]] = None):
+        n = planner.config.num_draft_tokens
+        self.planner, self.draft_width = planner, int(draft_width)
+        self.buckets = tuple(sorted({int(x) for x in buckets}))
+        self.widths = tuple(sorted({int(w) for w in (widths or planner.config.verify_widths) if w >= 2}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"StepGraphs: buckets {list(buckets)} must be >= 1")
+        if any(not 2 <= w <= n for w in self.widths):
+            raise ValueError(f"StepGraphs: widths {list(self.widths)} must lie in 2..{n}")
+        self._static: Dict[int, _Static] = {}
+        self._graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self.replays = 0
+        self.eager = 0
+
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far."""
+        return len(self._graphs)
+
+    def _make_static(self, bucket: int) -> _Static:
+        dev, s = self.planner.device, self.draft_width
+        m = self.planner.buffer.width
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        draft = DraftCandidates(z(bucket, s), z(bucket, s) - 1, torch.full((bucket, s), -float("inf"), device=dev),
+                                z(bucket, s) + 1)
+        host = HostCandidates(z(bucket, m), z(bucket, m) - 1, torch.full((bucket, m), -float("inf"), device=dev),
+                              z(bucket, m) - 1, z(bucket, m) + 1, z(bucket), z(bucket),
+                              torch.zeros(bucket, dtype=torch.bool, device=dev))      # every buffer its own
+        slots = torch.arange(bucket, device=dev).clamp(max=self.planner.history.tokens.shape[0] - 1)
+        return _Static(draft, z(bucket), host, slots, z(bucket), torch.zeros(bucket, dtype=torch.bool, device=dev))
+
+    def _call(self, st: _Static, width: int) -> StepOutput:
+        return self.planner.build(st.draft, st.roots, st.host, st.slots, st.seq_lens, st.sampled, num_nodes=width)
+
+    def capture(self) -> None:
+        """Capture every (bucket, width) graph (start-up: a device synchronise per graph).
+
+        Raises:
+            RuntimeError: the planner is not on a CUDA device.
+        """
+        if self.planner.device.type != "cuda":
+            raise RuntimeError("StepGraphs.capture needs the planner on a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in self.buckets:
+            st = self._static.setdefault(bucket, self._make_static(bucket))
+            for width in self.widths:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):               # warm-up off the capture, as torch asks
+                    for _ in range(2):
+                        self._call(st, width)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._call(st, width)
+                self._graphs[(bucket, width)] = (graph, out)
+
+    def build(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
+              seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None) -> StepOutput:
+        """`GraftPlanner.build` with the same arguments, replayed from a graph when one was captured
+        for the batch's bucket and the width (else eager). Returns `StepOutput` ``[B, num_nodes]``."""
+        width = num_nodes or self.planner.config.num_draft_tokens
+        b = roots.shape[0]
+        bucket = next((x for x in self.buckets if x >= b), None)
+        entry = self._graphs.get((bucket, width)) if bucket is not None else None
+        if entry is None or draft.tokens.shape[1] != self.draft_width:
+            self.eager += 1
+            return self.planner.build(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes=num_nodes)
+        graph, out = entry
+        self._static[bucket].load(draft, roots, host, slot_ids, seq_lens, sampled)
+        graph.replay()
+        self.replays += 1
+        return _rows(out, b)
