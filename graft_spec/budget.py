@@ -11,7 +11,9 @@ width ``w`` for all requests from a small fixed set (``GraftConfig.verify_widths
 * **Gain, in the calibrated currency.** ``E_i[accept | w] = 1 + c * gain_i(w)`` where ``gain_i(w)``
   is the sum of the calibrated estimates of the ``w - 1`` best candidates of the request's last
   speculative round (`graft_spec.graft.merge_select`'s gain curve, priced for every width from one
-  candidate pool; `graft_spec.pipeline.RoundStats.expected`), and ``c`` the running ratio of observed
+  candidate pool; `graft_spec.pipeline.RoundStats.expected`; a request without one yet gets the mean
+  of the observed curves, an exact mean over the first rounds: a plain round prices nothing, so a
+  prior of "no gain" would never be revised), and ``c`` the running ratio of observed
   to predicted accepted nodes (it corrects a biased calibration as a whole). A request that opted out
   of speculation gains 1 whatever ``w``.
 * **Cost, measured on the serving device.** ``t(bucket, w)``: the median of the last ``time_window``
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Hashable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -96,7 +98,8 @@ class BatchBudget:
         self._timing: Dict[Tuple[int, int], _Timing] = {}
         self._rounds: Dict[int, int] = {}
         self._curve: Dict[Hashable, np.ndarray] = {}
-        self._mean_curve = np.ones(len(widths))
+        self._mean_curve = np.ones(len(widths))   # population mean of the observed curves
+        self._mean_n = 0
         self._predicted = 0.0         # EMA of predicted accepted nodes (bonus excluded) per request-round
         self._observed = 0.0
         self.rounds_by_width: Dict[int, int] = {w: 0 for w in widths}
@@ -188,7 +191,10 @@ class BatchBudget:
         for i, rid in enumerate(rids):
             curve = expected[i, : len(self.widths)]
             self._curve[rid] = curve
-            self._mean_curve += _GAIN_EMA * (curve - self._mean_curve)
+            # an exact mean over the first 1 / _GAIN_EMA curves, a moving average after: starting
+            # an EMA at "no gain" kept new requests at width 1, where no curve is ever observed
+            self._mean_n += 1
+            self._mean_curve += max(1.0 / self._mean_n, _GAIN_EMA) * (curve - self._mean_curve)
             self._predicted += _GAIN_EMA * (max(expected[i, -1] - 1.0, 0.0) - self._predicted)
             self._observed += _GAIN_EMA * (max(accept_lens[i] - 1, 0) - self._observed)
 

@@ -188,3 +188,13 @@ def test_budget_rejects_bad_widths():
     for bad in ((), (12, 1), (0, 4)):
         with pytest.raises(ValueError, match="widths"):
             BatchBudget(bad)
+
+
+def test_a_new_request_inherits_the_observed_gain_not_a_no_gain_prior():
+    """After one speculative round showed a 3.5-token gain, a request that never speculated is
+    expected to gain about as much (it must not be priced at 1.0 and held at width 1, where no
+    curve is ever observed)."""
+    b = BatchBudget((1, 12, 24))
+    b.observe(["a"], np.array([[1.0, 3.0, 3.5, 3.5]]), [4])
+    exp = b.expected_accept(["new"], [True])[0]
+    assert exp[0] == 1.0 and exp[2] > 3.0, exp
