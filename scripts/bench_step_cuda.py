@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -36,11 +35,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from graft_spec.config import GraftConfig  # noqa: E402
 from graft_spec.graphs import StepGraphs  # noqa: E402
-from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index  # noqa: E402
+from graft_spec.pipeline import on_path_from_accept_index  # noqa: E402
 from graft_spec.step import dense_draft_candidates  # noqa: E402
-from sglang_patch.bench.step import SHAPES, _Stream, dense_lists  # noqa: E402  (no engine import)
+from sglang_patch.bench.step import dense_lists, workload  # noqa: E402  (no engine import)
 
 
 def _median_ms(times: list[float]) -> float:
@@ -52,19 +50,9 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     when it is not CUDA: a dry run of the script itself)."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    topk, depth = SHAPES.get(n, (4, 4))
-    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=depth)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    planner = GraftPlanner(cfg, vocab_size=vocab, device=dev, max_batch=b, max_slots=b)
-    book = [[rng.randrange(vocab) for _ in range(rng.randint(4, 16))] for _ in range(200)]
-    streams = [_Stream(random.Random(seed * 1000 + i), vocab, book) for i in range(b)]
-    rids = list(range(b))
-    ctx = []
-    for r, s in zip(rids, streams):
-        prompt = s.take(512)
-        planner.start_request(r, prompt)
-        ctx.append(len(prompt))
+    w = workload(b, n, vocab, seed, dev)
+    planner, streams, rids, ctx, topk, depth, rng, gen = (w.planner, w.streams, w.rids, w.ctx, w.topk, w.depth,
+                                                          w.rng, w.gen)
     slots = torch.arange(b, device=dev)
 
     def inputs():

@@ -35,6 +35,7 @@ import random
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -104,6 +105,38 @@ class _Stream:
         return out
 
 
+@dataclass
+class Workload:
+    """A planner serving ``b`` synthetic requests whose streams repeat phrases (suffix matches
+    happen), each started with a 512-token prompt; ``ctx`` holds their context lengths."""
+
+    planner: GraftPlanner
+    streams: list
+    rids: list
+    ctx: list
+    topk: int
+    depth: int
+    rng: random.Random
+    gen: torch.Generator
+
+
+def workload(b: int, n: int, vocab: int, seed: int = 0, device: str | torch.device = "cpu") -> Workload:
+    """The step benchmarks' setup for batch ``b`` and budget ``n`` (draft shape from `SHAPES`)."""
+    topk, depth = SHAPES.get(n, (4, 4))
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=depth)
+    rng = random.Random(seed)
+    planner = GraftPlanner(cfg, vocab_size=vocab, device=device, max_batch=b, max_slots=b)
+    book = [[rng.randrange(vocab) for _ in range(rng.randint(4, 16))] for _ in range(200)]
+    streams = [_Stream(random.Random(seed * 1000 + i), vocab, book) for i in range(b)]
+    rids = list(range(b))
+    ctx = []
+    for r, s in zip(rids, streams):
+        prompt = s.take(512)
+        planner.start_request(r, prompt)
+        ctx.append(len(prompt))
+    return Workload(planner, streams, rids, ctx, topk, depth, rng, torch.Generator().manual_seed(seed))
+
+
 def dense_lists(b: int, topk: int, depth: int, vocab: int, gen: torch.Generator):
     """Random dense EAGLE lists in SGLang's layout: (scores, tokens, parents) per step."""
     sl, tl, pl, fs = [], [], [], None
@@ -144,19 +177,9 @@ def _load_sglang() -> None:
 
 
 def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, seed: int = 0) -> list[dict]:
-    topk, depth = SHAPES.get(n, (4, 4))
-    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=depth)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    planner = GraftPlanner(cfg, vocab_size=vocab, max_batch=batch, max_slots=batch)
-    book = [[rng.randrange(vocab) for _ in range(rng.randint(4, 16))] for _ in range(200)]
-    streams = [_Stream(random.Random(seed * 1000 + i), vocab, book) for i in range(batch)]
-    rids = list(range(batch))
-    ctx = []
-    for r, s in zip(rids, streams):
-        prompt = s.take(512)
-        planner.start_request(r, prompt)
-        ctx.append(len(prompt))
+    w = workload(batch, n, vocab, seed)
+    planner, streams, rids, ctx, topk, depth, rng, gen = (w.planner, w.streams, w.rids, w.ctx, w.topk, w.depth,
+                                                          w.rng, w.gen)
     roots = torch.tensor([planner.retriever.sources[0]._tries[r].hist[-1] for r in rids])
     slots = torch.arange(batch)
     sampled = torch.zeros(batch, dtype=torch.bool)
