@@ -478,6 +478,9 @@ class GraftWorker(EAGLEWorkerV2):
         if batch.forward_mode.is_idle():
             return super()._build_trivial_verify_input(batch)
         bs = batch.seq_lens.shape[0]
+        # host sources kept current (no catch-up burst when speculation resumes), and a request that
+        # decodes only in plain rounds is still tracked, counted and freed (`note_request_finished`)
+        self.requests.prepare(batch.reqs)
         out = self.planner.plain(batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64), batch.seq_lens)
         return _layout(out, batch, self._target_worker, _ev2.default_tree_mask_mode(), self.topk, 0)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sglang_patch.bench.prompts import completion_text
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_server import REQUEST_TIMEOUT_S, accept_length, generate_many, serve  # noqa: E402
 from test_sglang_graft_server import CODE, COMMON, GRAFT, MAX_NEW, N_PROMPTS, QUICK, SHAPE  # noqa: E402
@@ -103,15 +105,21 @@ ISOLATION_PROMPTS = 4
 
 def _tenant_b_rounds(isolation: str) -> tuple[int, int]:
     """(tenant A's, tenant B's) verify rounds over the prompts: for each prompt A generates twice, then
-    B once with the same prompt, under ``isolation`` (suffix index and lookup off, so only the
-    successor table can carry A's text to B)."""
+    B once with the same prompt, under ``isolation`` (draft nodes, suffix index and lookup off, so only
+    the successor table proposes, and only it can carry A's text to B)."""
     env = {"GRAFTCFG_RETRIEVAL__ISOLATION": isolation, "GRAFTCFG_RETRIEVAL__SUFFIX": "false",
-           "GRAFTCFG_RETRIEVAL__LOOKUP": "false"}
+           "GRAFTCFG_RETRIEVAL__LOOKUP": "false",
+           # every round speculates (the batch budget could pick plain rounds, which have no verify count)
+           "GRAFTCFG_BATCH_BUDGET__ENABLED": "false",
+           # retrieval only: the shipped draft predicts this text well enough to hide the table's effect
+           "GRAFTCFG_DRAFT_NODES": "false"}
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
     rows = [json.loads(x) for x in (QUICK.parents[1] / "data" / "humaneval_dev.jsonl").read_text().splitlines()]
-    prompts = [tok.encode(r["prompt"], add_special_tokens=False)[-192:] for r in rows[:ISOLATION_PROMPTS]]
+    # completion_text: a prompt ending in a bare newline makes the shipped target end the file at once
+    prompts = [tok.encode(completion_text(r["prompt"]), add_special_tokens=False)[-192:]
+               for r in rows[:ISOLATION_PROMPTS]]
     graft = ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(SHIPPED / "draft"), *SHAPE]
     rounds = {"a": 0, "b": 0}
     with serve(SHIPPED / "target", [*COMMON, *graft], name=f"isolation_{isolation}", env=env) as srv:
@@ -121,7 +129,9 @@ def _tenant_b_rounds(isolation: str) -> tuple[int, int]:
                         "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0}}
                 r = httpx.post(f"{srv.url}/generate", json=body, timeout=REQUEST_TIMEOUT_S)
                 r.raise_for_status()
-                rounds[tenant] += r.json()["meta_info"]["spec_verify_ct"]
+                meta = r.json()["meta_info"]
+                assert meta["completion_tokens"] > 1, f"tenant {tenant}: the request ended at prefill"
+                rounds[tenant] += meta["spec_verify_ct"]
     return rounds["a"], rounds["b"]
 
 
