@@ -618,6 +618,54 @@ def test_verify_attention_matches_reference(mode):
             torch.testing.assert_close(out[b, i].double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_prefix_extend_attention_matches_stock_and_reference():
+    """Extends with a cached prefix (prefill after a radix hit, EAGLE draft extend) computed for the
+    new tokens only agree with the stock full-sequence method and with a direct softmax."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    gen = torch.Generator().manual_seed(11)
+    hq, hk, d = 4, 2, 8
+    layer = SimpleNamespace(**vars(_layer(hq, hk, d)), attn_type=AttentionType.DECODER, logit_cap=0.0)
+    prefix, ext = [5, 0, 7, 3], [1, 4, 3, 0]
+    r2t = torch.randperm(200, generator=gen)[: 5 * 32].view(5, 32).to(torch.int32)
+    rpi = torch.tensor([4, 1, 0, 2])
+    pool = _Pool(200, hk, d)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    out_loc = torch.cat([r2t[r, p: p + e].long() for r, p, e in zip(rpi.tolist(), prefix, ext)])
+    t = sum(ext)
+    q = torch.randn(t, hq * d, generator=gen)
+    k = torch.randn(t, hk, d, generator=gen)
+    v = torch.randn(t, hk, d, generator=gen)
+    backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+                              swa_out_cache_loc=None)
+    fb = SimpleNamespace(seq_lens=torch.tensor([p + e for p, e in zip(prefix, ext)]), req_pool_indices=rpi,
+                         out_cache_loc=out_loc, extend_prefix_lens=torch.tensor(prefix),
+                         extend_seq_lens=torch.tensor(ext), extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
+                         encoder_lens=None, forward_mode=SimpleNamespace(is_target_verify=lambda: False))
+    stock_calls = []
+
+    def stock(*a, **kw):
+        stock_calls.append(1)
+        return TorchNativeAttnBackend.forward_extend(*a, **kw)
+
+    out = attention.forward_extend_hook(stock, backend, q, k, v, layer, fb)
+    assert not stock_calls, "a plain causal extend must not take the stock O(L^2) path"
+    ref_backend = SimpleNamespace(**vars(backend))  # the stock method calls its own helper
+    ref_backend._run_sdpa_forward_extend = lambda *a, **kw: TorchNativeAttnBackend._run_sdpa_forward_extend(
+        ref_backend, *a, **kw)
+    stock_out = TorchNativeAttnBackend.forward_extend(ref_backend, q, k, v, layer, fb)
+    torch.testing.assert_close(out, stock_out, atol=1e-5, rtol=1e-5)
+    start = 0
+    for r, p, e in zip(rpi.tolist(), prefix, ext):
+        for i in range(e):
+            slots = r2t[r, : p + i + 1].long()
+            ref = _attend(q[start + i].view(hq, d), pool.k[slots], pool.v[slots], layer.scaling)
+            torch.testing.assert_close(out[start + i].view(hq, d).double(), ref, atol=1e-5, rtol=1e-5)
+        start += e
+
+
 def test_draft_branch_table_and_step_attention():
     gen = torch.Generator().manual_seed(4)
     r2t = torch.randperm(300, generator=gen)[:3 * 40].view(3, 40).to(torch.int32)

@@ -91,8 +91,7 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     if layer.is_cross_attention or (layer.sliding_window_size is not None and layer.sliding_window_size > -1):
         raise NotImplementedError("CPU tree verify: sliding-window/cross attention layers are not supported")
-    spec_info = forward_batch.spec_info
-    n = int(spec_info.draft_token_num)
+    n = int(forward_batch.spec_info.draft_token_num)
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
@@ -100,12 +99,7 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
     out = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-    seq_lens = forward_batch.seq_lens
-    masks = verify_kv_mask(getattr(spec_info, "custom_mask", None), seq_lens, n)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    rows = forward_batch.req_pool_indices.tolist()
-    for b, (row, mask) in enumerate(zip(rows, masks)):
-        slots = req_to_token[row, : mask.shape[1]].to(torch.int64)
+    for b, (slots, mask) in enumerate(_verify_plan(backend, forward_batch, n)):
         qb = q_[b * n:(b + 1) * n].transpose(0, 1)            # [H, n, D]
         kb = k_buf[slots].transpose(0, 1).to(qb.dtype)         # [H_kv, L, D]
         vb = v_buf[slots].transpose(0, 1).to(qb.dtype)
@@ -116,11 +110,105 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
+_PLAN_ATTR = "_graft_cpu_verify_plan"
+
+
+def _verify_plan(backend, forward_batch: "ForwardBatch", n: int) -> list:
+    """Per request ``(kv slots int64[seq_len_b + n], mask bool[n, seq_len_b + n] or None)`` of a verify
+    batch, built at the first layer and reused by the others (they share slots and masks). The mask is
+    None where it is all True (a root-only tree, verify width 1: a plain decode step), so SDPA runs
+    unmasked as in the stock decode path."""
+    custom_mask = getattr(forward_batch.spec_info, "custom_mask", None)
+    # the tensors the plan is made of: a batch object reused for another forward gets a new plan
+    key = (n, id(forward_batch.seq_lens), id(forward_batch.req_pool_indices), id(custom_mask))
+    cached = getattr(forward_batch, _PLAN_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    masks = verify_kv_mask(custom_mask, forward_batch.seq_lens, n)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    plan = [(req_to_token[row, : mask.shape[1]].to(torch.int64), None if n == 1 or bool(mask.all()) else mask)
+            for row, mask in zip(forward_batch.req_pool_indices.tolist(), masks)]
+    try:
+        setattr(forward_batch, _PLAN_ATTR, (key, plan))
+    except AttributeError:  # a slotted batch object: rebuilt per layer
+        pass
+    return plan
+
+
+def prefix_extend_forward(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          layer: "RadixAttention", forward_batch: "ForwardBatch",
+                          save_kv_cache: bool = True) -> torch.Tensor:
+    """Causal extend attention computed for the new tokens only.
+
+    The stock ``_run_sdpa_forward_extend`` (torch_native_backend.py:84) pads every request's
+    queries to its whole sequence and runs full ``L x L`` causal attention, then keeps the last
+    ``e`` rows: a draft extend of one token per request (every decode round of an EAGLE-style
+    method, plain verify-width-1 rounds included) costs O(L^2) per layer instead of O(L). Here the
+    ``e`` new queries attend to the ``L`` keys with the bottom-right-aligned causal mask
+    (``key j visible to new token i iff j <= prefix + i``), no mask when ``e == 1``; the rows are the
+    same softmax over the same keys.
+
+    Args:
+        backend: the ``TorchNativeAttnBackend`` instance.
+        q: ``[T, H_q * D]`` (T = sum of extend lengths); k, v: ``[T, H_kv, D]`` (or flat) or None.
+        layer: a causal self-attention RadixAttention (no sliding window).
+        forward_batch: an EXTEND / DRAFT_EXTEND batch (``extend_prefix_lens``, ``extend_seq_lens``).
+    Returns:
+        ``[T, H_q * D_v]`` attention output.
+    """
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if save_kv_cache and k is not None and v is not None:
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+    k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    out = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+    prefix = forward_batch.extend_prefix_lens_cpu
+    ext = forward_batch.extend_seq_lens_cpu
+    prefix = [int(x) for x in (prefix if prefix is not None else forward_batch.extend_prefix_lens.tolist())]
+    ext = [int(x) for x in (ext if ext is not None else forward_batch.extend_seq_lens.tolist())]
+    req_to_token = backend.req_to_token_pool.req_to_token
+    start = 0
+    for row, p, e in zip(forward_batch.req_pool_indices.tolist(), prefix, ext):
+        if e == 0:
+            continue
+        slots = req_to_token[row, : p + e].to(torch.int64)
+        qb = q_[start:start + e].transpose(0, 1)                # [H, e, D]
+        kb = k_buf[slots].transpose(0, 1).to(qb.dtype)          # [H_kv, L, D]
+        vb = v_buf[slots].transpose(0, 1).to(qb.dtype)
+        mask = None
+        if e > 1:
+            mask = (torch.arange(p + e, device=q.device)[None, :]
+                    <= p + torch.arange(e, device=q.device)[:, None])
+        ob = scaled_dot_product_attention(
+            qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
+            scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+        out[start:start + e] = ob.squeeze(0).transpose(0, 1)
+        start += e
+    return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def _plain_causal(layer, forward_batch) -> bool:
+    """A layer and batch `prefix_extend_forward` serves: causal self-attention, no sliding window,
+    no encoder, no ragged query padding."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    return (not layer.is_cross_attention and layer.attn_type != AttentionType.ENCODER_ONLY
+            and (layer.sliding_window_size is None or layer.sliding_window_size <= -1)
+            and forward_batch.encoder_lens is None and layer.qk_head_dim == layer.v_head_dim
+            and forward_batch.extend_seq_lens is not None and forward_batch.extend_prefix_lens is not None)
+
+
 def forward_extend_hook(orig, backend, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
     """AROUND hook on ``TorchNativeAttnBackend.forward_extend`` (torch_native_backend.py:279):
-    TARGET_VERIFY batches go to `verify_forward_extend`, everything else to the stock method."""
+    TARGET_VERIFY batches go to `verify_forward_extend`, plain causal extends (prefill with a cached
+    prefix, draft extend) to `prefix_extend_forward`, everything else to the stock method."""
     if forward_batch.forward_mode.is_target_verify():
         return verify_forward_extend(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    if not args and not kwargs and _plain_causal(layer, forward_batch):
+        return prefix_extend_forward(backend, q, k, v, layer, forward_batch, save_kv_cache)
     return orig(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
 
 
