@@ -39,7 +39,7 @@ from .config import GraftPolicy
 from .tree import (IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, pointer_rounds,
                    order_key, path_min, sentinel_parents, top_mask)
 
-__all__ = ["path_hashes", "canonical_nodes", "merge_select"]
+__all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select"]
 
 _MIX = -7046029254386353131        # 0x9E3779B97F4A7C15 as int64
 _ADD = 0x632BE59BD9B4E019
@@ -106,6 +106,46 @@ def canonical_nodes(h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
         canon = torch.where(ok, cand, canon)
         pending = pending & ~ok
     return canon, pending
+
+
+def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Upper bound on each node's path acceptance from its higher-ranked siblings.
+
+    Siblings are mutually exclusive (at most one child of a node lies on the accepted path), so
+    ``P(i) <= P(parent) - sum of P(j)`` over the siblings ``j`` ranked above ``i``. The estimates of
+    different sources are calibrated one source at a time, each blind to the others' proposals: where
+    the draft and a retrieval source disagree under one parent, their marginal estimates can sum to
+    more than the parent's, and without this bound the selection would spend slots on both instead
+    of going deeper on the likelier one. Sort-based (two stable sorts and a segmented prefix sum,
+    O(U log U), static shapes).
+
+    Args:
+        est: ``float32[B, U]`` estimated path acceptance (the parent's is the bound's base; the
+            root's parent is the root itself, estimate 1).
+        key: ``float32[B, U]`` selection priority: the rank among siblings (ties: lower index first).
+        parents: ``int64[B, U]`` parent index (< own index), -1 for the root.
+        live: ``bool[B, U]`` nodes that count (dead ones neither take nor leave mass).
+    Returns:
+        ``float32[B, U]`` the cap, >= 0; +inf for the root.
+    """
+    b, u = est.shape
+    dev = est.device
+    e = torch.where(live, est.float(), 0.0)
+    par = parents.clamp(min=0)
+    par = torch.where(torch.arange(u, device=dev) == 0, -1, par)       # the root sorts first
+    by_key = torch.argsort(order_key(key), dim=1, descending=True, stable=True)
+    order = by_key.gather(1, torch.argsort(par.gather(1, by_key), dim=1, stable=True))
+    ps, es = par.gather(1, order), e.gather(1, order)
+    before = torch.cumsum(es, dim=1) - es                          # mass of everything sorted earlier
+    ar = torch.arange(u, device=dev).expand(b, u)
+    head = torch.ones_like(ps, dtype=torch.bool)
+    head[:, 1:] = ps[:, 1:] != ps[:, :-1]
+    start = torch.cummax(torch.where(head, ar, 0), dim=1).values   # first sorted slot of the sibling group
+    above = torch.empty_like(before).scatter_(1, order, before - before.gather(1, start))
+    base = torch.where(parents < 0, 1.0, est.float().gather(1, parents.clamp(min=0)))
+    cap = (base - above).clamp(min=0.0)
+    cap[:, 0].fill_(math.inf)
+    return cap
 
 
 def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
@@ -181,6 +221,10 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     # monotone along paths: drops subtrees of invalid / capped / non-unique parents and makes
     # "top N-1 with ties to the lower index" ancestor-closed
     gkey = path_min(gkey, cpar)
+    if policy.exclusive_siblings:  # siblings share their parent's mass (`sibling_caps`)
+        cap = sibling_caps(gest, gkey, cpar, gkey > -math.inf)
+        gest = path_min(torch.minimum(gest.float(), cap), cpar)
+        gkey = path_min(torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap)), cpar)
 
     # 3. fill N - 1 slots; the gain curve prices every width from the same order
     rest = gkey[:, 1:]

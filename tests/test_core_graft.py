@@ -315,3 +315,42 @@ def test_everything_fits_means_union_of_paths(seed):
             path = tuple(out.tokens[r, j].item() for j in ref_ancestors(out.parents[r].tolist(), i))
             if path not in dpaths:
                 assert out.source[r, i] == SOURCE_RETRIEVED
+
+
+def test_siblings_share_their_parents_mass():
+    """At most one child of a node is accepted: a retrieved child that disagrees with a likelier draft
+    child is worth at most what the draft child leaves, so the last slot goes one level deeper under
+    the draft child instead (``GraftPolicy.exclusive_siblings``)."""
+    # root 9; draft 9 -> 1 (0.8) -> 4 (0.5); retrieved 9 -> 2 (0.7) -> 3 (0.65)
+    toks = torch.tensor([[9, 1, 4, 2, 3]])
+    pars = torch.tensor([[-1, 0, 1, 0, 3]])
+    est = torch.tensor([[1.0, 0.8, 0.5, 0.7, 0.65]])
+    member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 2])
+    bins = torch.full_like(toks, -1)
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3, gain_nodes=5)
+    assert tree.tokens.tolist() == [[9, 1, 4]]
+    # caps: 2 -> 1 - 0.8 = 0.2, and its child 3 with it; the gain curve sums the capped estimates
+    assert torch.allclose(gain[0, :4], torch.tensor([0.8, 1.3, 1.5, 1.7]))
+    tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3,
+                                 GraftPolicy(exclusive_siblings=False))
+    assert tree.tokens.tolist() == [[9, 1, 2]]
+    assert torch.allclose(gain[0, :2], torch.tensor([0.8, 1.5]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 100_000), u=st.integers(2, 30))
+def test_sibling_caps_match_a_direct_sum(seed, u):
+    from graft_spec.graft import sibling_caps
+
+    rng = random.Random(seed)
+    _, pars = random_tree(rng, u, 50, distinct=False)
+    est = torch.tensor([[1.0] + [rng.random() for _ in range(u - 1)]])
+    key = torch.tensor([[math.inf] + [rng.choice([rng.random(), 0.5]) for _ in range(u - 1)]])
+    live = torch.tensor([[True] + [rng.random() < 0.8 for _ in range(u - 1)]])
+    cap = sibling_caps(est, key, torch.tensor([pars]), live)[0].tolist()
+    assert cap[0] == math.inf
+    for i in range(1, u):
+        above = sum(est[0, j].item() for j in range(1, u) if j != i and pars[j] == pars[i] and live[0, j]
+                    and (key[0, j] > key[0, i] or (key[0, j] == key[0, i] and j < i)))
+        assert cap[i] == pytest.approx(max(0.0, est[0, pars[i]].item() - above), abs=1e-5)
