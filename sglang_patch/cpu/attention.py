@@ -87,11 +87,21 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Raises:
         NotImplementedError: sliding-window or cross-attention layers.
     """
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
     if layer.is_cross_attention or (layer.sliding_window_size is not None and layer.sliding_window_size > -1):
         raise NotImplementedError("CPU tree verify: sliding-window/cross attention layers are not supported")
     n = int(forward_batch.spec_info.draft_token_num)
+    q_, out, attend = _rows(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    for b, (slots, mask) in enumerate(_verify_plan(backend, forward_batch, n)):
+        out[b * n:(b + 1) * n] = attend(q_[b * n:(b + 1) * n], slots, mask)
+    return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def _rows(backend, q, k, v, layer, forward_batch, save_kv_cache: bool):
+    """Shared start of the per-request SDPA paths: the new tokens' K/V written to
+    ``forward_batch.out_cache_loc``; returns ``(q [T, H_q, D], out [T, H_q, D_v] (empty), attend)``
+    with ``attend(q_rows [e, H_q, D], slots int64[L], mask bool[e, L] or None) -> [e, H_q, D_v]``."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
@@ -99,15 +109,17 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
     out = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-    for b, (slots, mask) in enumerate(_verify_plan(backend, forward_batch, n)):
-        qb = q_[b * n:(b + 1) * n].transpose(0, 1)            # [H, n, D]
-        kb = k_buf[slots].transpose(0, 1).to(qb.dtype)         # [H_kv, L, D]
+    gqa = layer.tp_q_head_num != layer.tp_k_head_num
+
+    def attend(rows: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        qb = rows.transpose(0, 1)                               # [H, e, D]
+        kb = k_buf[slots].transpose(0, 1).to(qb.dtype)          # [H_kv, L, D]
         vb = v_buf[slots].transpose(0, 1).to(qb.dtype)
-        ob = scaled_dot_product_attention(
-            qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
-            scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
-        out[b * n:(b + 1) * n] = ob.squeeze(0).transpose(0, 1)
-    return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+        ob = scaled_dot_product_attention(qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
+                                          scale=layer.scaling, enable_gqa=gqa)
+        return ob.squeeze(0).transpose(0, 1)
+
+    return q_, out, attend
 
 
 _PLAN_ATTR = "_graft_cpu_verify_plan"
@@ -156,15 +168,7 @@ def prefix_extend_forward(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Returns:
         ``[T, H_q * D_v]`` attention output.
     """
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-    if save_kv_cache and k is not None and v is not None:
-        backend.token_to_kv_pool.set_kv_buffer(
-            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
-    k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    v_buf = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
-    q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    out = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+    q_, out, attend = _rows(backend, q, k, v, layer, forward_batch, save_kv_cache)
     prefix = forward_batch.extend_prefix_lens_cpu
     ext = forward_batch.extend_seq_lens_cpu
     prefix = [int(x) for x in (prefix if prefix is not None else forward_batch.extend_prefix_lens.tolist())]
@@ -175,17 +179,11 @@ def prefix_extend_forward(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         if e == 0:
             continue
         slots = req_to_token[row, : p + e].to(torch.int64)
-        qb = q_[start:start + e].transpose(0, 1)                # [H, e, D]
-        kb = k_buf[slots].transpose(0, 1).to(qb.dtype)          # [H_kv, L, D]
-        vb = v_buf[slots].transpose(0, 1).to(qb.dtype)
         mask = None
         if e > 1:
             mask = (torch.arange(p + e, device=q.device)[None, :]
                     <= p + torch.arange(e, device=q.device)[:, None])
-        ob = scaled_dot_product_attention(
-            qb.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
-            scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
-        out[start:start + e] = ob.squeeze(0).transpose(0, 1)
+        out[start:start + e] = attend(q_[start:start + e], slots, mask)
         start += e
     return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
