@@ -185,7 +185,9 @@ class GraftPolicy(BaseModel):
         refill_with_draft: slots that retrieval cannot fill are given back to the best
             pruned draft nodes before padding is used.
         exclusive_siblings: cap every node's estimate by its parent's minus those of its
-            higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``).
+            higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``). Off by
+            default: it helps the looping quick pair but costs tau on the shipped pair
+            (docs/sglang_graft.md).
     """
 
     model_config = _STRICT
@@ -193,7 +195,7 @@ class GraftPolicy(BaseModel):
     min_score: float = Field(default=0.0, ge=0.0, lt=1.0)
     root_width: Optional[int] = Field(default=None, ge=1)
     refill_with_draft: bool = True
-    exclusive_siblings: bool = True
+    exclusive_siblings: bool = False
 
 
 class CalibrationConfig(BaseModel):
