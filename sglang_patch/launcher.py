@@ -34,10 +34,15 @@ CPU_SERVER_ARGS: List[str] = [
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (racy by nature; the server start retries nothing)."""
+    """A free TCP port on 127.0.0.1 (racy by nature: `SGLangServer.start` retries a taken port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: uvicorn's message when the HTTP port is taken (the server then hangs in shutdown).
+_PORT_TAKEN = "error while attempting to bind on address"
+_PORT_TRIES = 3
 
 
 class ServerStartError(RuntimeError):
@@ -92,13 +97,27 @@ class SGLangServer:
     def start(self) -> "SGLangServer":
         """Start the process and wait until it answers a generation health check.
 
+        With ``port = 0`` a free port is picked, and picked again (3 tries) when the server reports
+        it taken: `free_port` is racy, and a TP server's own rendezvous ports can land on it (seen:
+        uvicorn "address already in use" after the model loaded, the process then hanging).
+
         Raises:
             ServerStartError: the process exited, or did not get healthy within the timeout.
         """
-        if not self.port:
-            self.port = free_port()
-        if not self.log_path:
-            self.log_path = f"/tmp/sglang_server_{self.port}.log"
+        auto = not self.port
+        tries = _PORT_TRIES if auto else 1
+        for _ in range(tries):
+            if auto:
+                self.port = free_port()
+            if not self.log_path:
+                self.log_path = f"/tmp/sglang_server_{self.port}.log"
+            if self._start_once():
+                return self
+            self.stop()
+        raise ServerStartError(f"port {self.port} already in use ({tries} tries)", self.log_tail())
+
+    def _start_once(self) -> bool:
+        """One launch; True when healthy, False when the server reported its port taken."""
         env = dict(os.environ)
         env.update(self.env)
         log = open(self.log_path, "w")
@@ -107,12 +126,16 @@ class SGLangServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if _PORT_TAKEN in self.log_tail(20000):
+                    return False
                 raise ServerStartError(f"server exited with {self.proc.returncode}", self.log_tail())
             try:
                 if httpx.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
-                    return self
+                    return True
             except httpx.HTTPError:
                 pass
+            if _PORT_TAKEN in self.log_tail(20000):
+                return False
             time.sleep(1.0)
         self.stop()
         raise ServerStartError(f"server not healthy after {self.startup_timeout_s:.0f} s", self.log_tail())

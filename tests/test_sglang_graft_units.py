@@ -12,6 +12,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -460,3 +461,45 @@ def test_dp_attention_is_refused_naming_the_flag():
     with pytest.raises(GraftSettingsError, match="--enable-dp-attention"):
         refuse_unsafe_combinations(SimpleNamespace(enable_dp_attention=True))
     refuse_unsafe_combinations(SimpleNamespace(attention_backend="fa3", page_size=16))   # allowed
+
+
+_BIND_ERROR = ("import sys, time; print('ERROR: [Errno 98] error while attempting to bind on address "
+               "(127.0.0.1, %s): address already in use' % sys.argv[1], flush=True); time.sleep(120)")
+_HEALTHY = ("import http.server, sys\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers()\n"
+            "    def log_message(self, *a):\n"
+            "        pass\n"
+            "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+
+def test_server_start_retries_a_taken_port(tmp_path):
+    """uvicorn's "address already in use" (the process then hangs) makes the launcher pick another
+    port instead of waiting out the startup timeout; an explicit port is never changed."""
+    from sglang_patch.launcher import SGLangServer, ServerStartError, free_port
+
+    class Fake(SGLangServer):
+        def __init__(self, fail_times: int, **kw):
+            super().__init__(model_path="unused", startup_timeout_s=30, **kw)
+            self.fail_times, self.ports = fail_times, []
+
+        def command(self):
+            self.ports.append(self.port)
+            script = _BIND_ERROR if len(self.ports) <= self.fail_times else _HEALTHY
+            return [sys.executable, "-c", script, str(self.port)]
+
+    srv = Fake(1, log_path=str(tmp_path / "a.log"))
+    try:
+        assert srv.start() is srv and len(set(srv.ports)) == 2
+    finally:
+        srv.stop()
+    srv = Fake(5, log_path=str(tmp_path / "b.log"))
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError, match="already in use"):
+        srv.start()
+    assert len(srv.ports) == 3 and time.monotonic() - t0 < 25
+    srv = Fake(5, log_path=str(tmp_path / "c.log"), port=free_port())
+    with pytest.raises(ServerStartError, match=r"\(1 tries\)"):
+        srv.start()
+    assert len(set(srv.ports)) == 1
