@@ -50,9 +50,7 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     when it is not CUDA: a dry run of the script itself)."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    w = workload(b, n, vocab, seed, dev)
-    planner, streams, rids, ctx, topk, depth, rng, gen = (w.planner, w.streams, w.rids, w.ctx, w.topk, w.depth,
-                                                          w.rng, w.gen)
+    planner, streams, rids, ctx, topk, depth, rng, gen = workload(b, n, vocab, seed, dev)
     slots = torch.arange(b, device=dev)
 
     def inputs():

@@ -35,8 +35,8 @@ import random
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,8 +105,7 @@ class _Stream:
         return out
 
 
-@dataclass
-class Workload:
+class Workload(NamedTuple):
     """A planner serving ``b`` synthetic requests whose streams repeat phrases (suffix matches
     happen), each started with a 512-token prompt; ``ctx`` holds their context lengths."""
 
@@ -177,9 +176,7 @@ def _load_sglang() -> None:
 
 
 def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, seed: int = 0) -> list[dict]:
-    w = workload(batch, n, vocab, seed)
-    planner, streams, rids, ctx, topk, depth, rng, gen = (w.planner, w.streams, w.rids, w.ctx, w.topk, w.depth,
-                                                          w.rng, w.gen)
+    planner, streams, rids, ctx, topk, depth, rng, gen = workload(batch, n, vocab, seed)
     roots = torch.tensor([planner.retriever.sources[0]._tries[r].hist[-1] for r in rids])
     slots = torch.arange(batch)
     sampled = torch.zeros(batch, dtype=torch.bool)

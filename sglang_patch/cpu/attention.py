@@ -91,8 +91,12 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise NotImplementedError("CPU tree verify: sliding-window/cross attention layers are not supported")
     n = int(forward_batch.spec_info.draft_token_num)
     q_, out, attend = _rows(backend, q, k, v, layer, forward_batch, save_kv_cache)
-    for b, (slots, mask) in enumerate(_verify_plan(backend, forward_batch, n)):
-        out[b * n:(b + 1) * n] = attend(q_[b * n:(b + 1) * n], slots, mask)
+    masks = verify_kv_mask(getattr(forward_batch.spec_info, "custom_mask", None), forward_batch.seq_lens, n)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    for b, (row, mask) in enumerate(zip(forward_batch.req_pool_indices.tolist(), masks)):
+        slots = req_to_token[row, : mask.shape[1]].to(torch.int64)
+        # a root-only tree (verify width 1, a plain decode step) sees every key: no mask, as in decode
+        out[b * n:(b + 1) * n] = attend(q_[b * n:(b + 1) * n], slots, None if n == 1 else mask)
     return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
@@ -120,31 +124,6 @@ def _rows(backend, q, k, v, layer, forward_batch, save_kv_cache: bool):
         return ob.squeeze(0).transpose(0, 1)
 
     return q_, out, attend
-
-
-_PLAN_ATTR = "_graft_cpu_verify_plan"
-
-
-def _verify_plan(backend, forward_batch: "ForwardBatch", n: int) -> list:
-    """Per request ``(kv slots int64[seq_len_b + n], mask bool[n, seq_len_b + n] or None)`` of a verify
-    batch, built at the first layer and reused by the others (they share slots and masks). The mask is
-    None where it is all True (a root-only tree, verify width 1: a plain decode step), so SDPA runs
-    unmasked as in the stock decode path."""
-    custom_mask = getattr(forward_batch.spec_info, "custom_mask", None)
-    # the tensors the plan is made of: a batch object reused for another forward gets a new plan
-    key = (n, id(forward_batch.seq_lens), id(forward_batch.req_pool_indices), id(custom_mask))
-    cached = getattr(forward_batch, _PLAN_ATTR, None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    masks = verify_kv_mask(custom_mask, forward_batch.seq_lens, n)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    plan = [(req_to_token[row, : mask.shape[1]].to(torch.int64), None if n == 1 or bool(mask.all()) else mask)
-            for row, mask in zip(forward_batch.req_pool_indices.tolist(), masks)]
-    try:
-        setattr(forward_batch, _PLAN_ATTR, (key, plan))
-    except AttributeError:  # a slotted batch object: rebuilt per layer
-        pass
-    return plan
 
 
 def prefix_extend_forward(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
