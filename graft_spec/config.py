@@ -184,10 +184,12 @@ class GraftPolicy(BaseModel):
             cap), so retrieval does not crowd the root level.
         refill_with_draft: slots that retrieval cannot fill are given back to the best
             pruned draft nodes before padding is used.
-        exclusive_siblings: cap every node's estimate by its parent's minus those of its
-            higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``). Off by
-            default: it helps the looping quick pair but costs tau on the shipped pair
-            (docs/sglang_graft.md).
+        exclusive_siblings: where to cap every node's estimate by its parent's minus those of its
+            higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``):
+            ``"greedy"`` rows only (default), ``"always"`` or ``"never"``. Greedy rows by default:
+            there it lifts the looping quick pair above retrieval-only and costs the shipped pair
+            1-4 % tau (still ahead of every peer); on sampled rows it costs the shipped pair up to
+            11 % (docs/benchmark.md, issue 12).
     """
 
     model_config = _STRICT
@@ -195,7 +197,7 @@ class GraftPolicy(BaseModel):
     min_score: float = Field(default=0.0, ge=0.0, lt=1.0)
     root_width: Optional[int] = Field(default=None, ge=1)
     refill_with_draft: bool = True
-    exclusive_siblings: bool = False
+    exclusive_siblings: Literal["never", "greedy", "always"] = "greedy"
 
 
 class CalibrationConfig(BaseModel):

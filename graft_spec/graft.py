@@ -150,8 +150,8 @@ def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, li
 
 def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
                  valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
-                 policy: Optional[GraftPolicy] = None, gain_nodes: Optional[int] = None
-                 ) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
+                 policy: Optional[GraftPolicy] = None, gain_nodes: Optional[int] = None,
+                 sampled: Optional[torch.Tensor] = None) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """Build the hybrid tree from a stacked candidate list (see module docstring).
 
     Args:
@@ -169,6 +169,8 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
             ``root_width`` (at most this many new retrieved children of the root).
         gain_nodes: length + 1 of the gain curve (default ``num_nodes``): the curve prices trees of
             every width up to ``gain_nodes`` from the same candidates (the batch budget, budget.py).
+        sampled: ``bool[B]`` rows verified by sampling (None: all greedy); with
+            ``policy.exclusive_siblings == "greedy"`` only the other rows get `sibling_caps`.
     Returns:
         ``(tree, member_bins, gain)``: ``gain`` ``float32[B, gain_nodes - 1]``, ``gain[:, k]`` = sum
         of the estimates of the k + 1 best non-root nodes (the selection order; every prefix of it is
@@ -221,10 +223,14 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     # monotone along paths: drops subtrees of invalid / capped / non-unique parents and makes
     # "top N-1 with ties to the lower index" ancestor-closed
     gkey = path_min(gkey, cpar)
-    if policy.exclusive_siblings:  # siblings share their parent's mass (`sibling_caps`)
+    if policy.exclusive_siblings != "never":  # siblings share their parent's mass (`sibling_caps`)
         cap = sibling_caps(gest, gkey, cpar, gkey > -math.inf)
-        gest = path_min(torch.minimum(gest.float(), cap), cpar)
-        gkey = path_min(torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap)), cpar)
+        rows = torch.ones(b, 1, dtype=torch.bool, device=dev)
+        if policy.exclusive_siblings == "greedy" and sampled is not None:
+            rows = ~sampled.reshape(b, 1)
+        gest = torch.where(rows, path_min(torch.minimum(gest.float(), cap), cpar), gest.float())
+        gkey = torch.where(rows, path_min(torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap)), cpar),
+                           gkey)
 
     # 3. fill N - 1 slots; the gain curve prices every width from the same order
     rest = gkey[:, 1:]

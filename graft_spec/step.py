@@ -431,6 +431,6 @@ class GraftStep:
         tree, member_bins, gain = merge_select(
             torch.cat(parts_tok, 1), torch.cat(parts_par, 1), torch.cat(parts_key, 1), torch.cat(parts_est, 1),
             valid, torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n, self.config.graft,
-            gain_nodes=self.pool)
+            gain_nodes=self.pool, sampled=sampled)
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain)

@@ -320,7 +320,8 @@ def test_everything_fits_means_union_of_paths(seed):
 def test_siblings_share_their_parents_mass():
     """At most one child of a node is accepted: a retrieved child that disagrees with a likelier draft
     child is worth at most what the draft child leaves, so the last slot goes one level deeper under
-    the draft child instead (``GraftPolicy.exclusive_siblings``, opt-in)."""
+    the draft child instead (``GraftPolicy.exclusive_siblings``: greedy rows by default, sampled rows
+    only with ``"always"``)."""
     # root 9; draft 9 -> 1 (0.8) -> 4 (0.5); retrieved 9 -> 2 (0.7) -> 3 (0.65)
     toks = torch.tensor([[9, 1, 4, 2, 3]])
     pars = torch.tensor([[-1, 0, 1, 0, 3]])
@@ -328,14 +329,23 @@ def test_siblings_share_their_parents_mass():
     member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 2])
     bins = torch.full_like(toks, -1)
     valid = torch.ones(1, 5, dtype=torch.bool)
-    tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3,
-                                 GraftPolicy(exclusive_siblings=True), gain_nodes=5)
-    assert tree.tokens.tolist() == [[9, 1, 4]]
-    # caps: 2 -> 1 - 0.8 = 0.2, and its child 3 with it; the gain curve sums the capped estimates
-    assert torch.allclose(gain[0, :4], torch.tensor([0.8, 1.3, 1.5, 1.7]))
-    tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3)   # default: off
-    assert tree.tokens.tolist() == [[9, 1, 2]]
-    assert torch.allclose(gain[0, :2], torch.tensor([0.8, 1.5]))
+    greedy, sampled = torch.tensor([False]), torch.tensor([True])
+    for policy, rows in [(GraftPolicy(), greedy), (GraftPolicy(), None),
+                         (GraftPolicy(exclusive_siblings="always"), sampled)]:
+        tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3, policy, gain_nodes=5,
+                                     sampled=rows)
+        assert tree.tokens.tolist() == [[9, 1, 4]]
+        # caps: 2 -> 1 - 0.8 = 0.2, and its child 3 with it; the gain curve sums the capped estimates
+        assert torch.allclose(gain[0, :4], torch.tensor([0.8, 1.3, 1.5, 1.7]))
+    for policy, rows in [(GraftPolicy(), sampled), (GraftPolicy(exclusive_siblings="never"), greedy)]:
+        tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3, policy, sampled=rows)
+        assert tree.tokens.tolist() == [[9, 1, 2]]
+        assert torch.allclose(gain[0, :2], torch.tensor([0.8, 1.5]))
+    # a batch mixing both: each row as if alone
+    tree, _, _ = merge_select(toks.repeat(2, 1), pars.repeat(2, 1), est.repeat(2, 1), est.repeat(2, 1),
+                              valid.repeat(2, 1), member.repeat(2, 1), bins.repeat(2, 1), 3,
+                              sampled=torch.tensor([True, False]))
+    assert tree.tokens.tolist() == [[9, 1, 2], [9, 1, 4]]
 
 
 @settings(max_examples=30, deadline=None)

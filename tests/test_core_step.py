@@ -88,12 +88,13 @@ def test_step_runs_on_meta_tensors(b, n):
     assert out.member_bins.shape == (b, n, NUM_MEMBERS) and out.positions.device.type == "meta"
 
 
-@pytest.mark.parametrize("n,b,exclusive", [(24, 1, False), (24, 16, False), (24, 64, False), (60, 1, False),
-                                            (60, 16, False), (60, 64, False), (24, 16, True), (60, 64, True)])
+@pytest.mark.parametrize("n,b,exclusive", [(24, 1, "greedy"), (24, 16, "greedy"), (24, 64, "greedy"),
+                                            (60, 1, "greedy"), (60, 16, "greedy"), (60, 64, "greedy"),
+                                            (24, 16, "always"), (60, 64, "never")])
 def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     """``torch.compile(fullgraph=True, dynamic=False)`` traces the whole step without a graph break
     (a host read or data-dependent branch would break it), the compiled step equals the eager one,
-    and the eager step dispatches none of `HOST_OPS`; also with the opt-in sibling caps."""
+    and the eager step dispatches none of `HOST_OPS`; with every sibling-caps mode."""
     topk, steps = SHAPES[n]
     cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, graft={"exclusive_siblings": exclusive})
     planner = GraftPlanner(cfg, 5000, max_slots=64)
