@@ -188,8 +188,8 @@ class GraftPolicy(BaseModel):
             higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``):
             ``"greedy"`` rows only (default), ``"always"`` or ``"never"``. Greedy rows by default:
             there it lifts the looping quick pair above retrieval-only and costs the shipped pair
-            1-4 % tau (still ahead of every peer); on sampled rows it costs the shipped pair up to
-            11 % (docs/benchmark.md, issue 12).
+            1-5 % tau (still ahead of every peer); on sampled rows it costs the shipped pair up to
+            13 % (docs/benchmark.md, issue 12).
     """
 
     model_config = _STRICT
