@@ -225,12 +225,12 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     gkey = path_min(gkey, cpar)
     if policy.exclusive_siblings != "never":  # siblings share their parent's mass (`sibling_caps`)
         cap = sibling_caps(gest, gkey, cpar, gkey > -math.inf)
-        rows = torch.ones(b, 1, dtype=torch.bool, device=dev)
-        if policy.exclusive_siblings == "greedy" and sampled is not None:
-            rows = ~sampled.reshape(b, 1)
-        gest = torch.where(rows, path_min(torch.minimum(gest.float(), cap), cpar), gest.float())
-        gkey = torch.where(rows, path_min(torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap)), cpar),
-                           gkey)
+        capped_est = path_min(torch.minimum(gest.float(), cap), cpar)
+        capped_key = path_min(torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap)), cpar)
+        if policy.exclusive_siblings == "greedy" and sampled is not None:  # sampled rows keep theirs
+            capped_est = torch.where(sampled.reshape(b, 1), gest.float(), capped_est)
+            capped_key = torch.where(sampled.reshape(b, 1), gkey, capped_key)
+        gest, gkey = capped_est, capped_key
 
     # 3. fill N - 1 slots; the gain curve prices every width from the same order
     rest = gkey[:, 1:]

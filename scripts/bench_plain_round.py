@@ -16,44 +16,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sglang_patch.bench.prompts import completion_text  # noqa: E402
+from sglang_patch.bench.client import run_prompts_sync, sampling_params  # noqa: E402
+from sglang_patch.bench.methods import MethodSpec  # noqa: E402
+from sglang_patch.bench.prompts import BenchPrompt, load_prompts  # noqa: E402
 from sglang_patch.launcher import SGLangServer  # noqa: E402
 from sglang_patch.verify_widths import OPT_OUT_KEY  # noqa: E402
 
 
-def run(models: Path, graft: bool, prompts: list, concurrency: int, max_tokens: int) -> dict:
+def run(models: Path, method: MethodSpec, prompts: list[BenchPrompt], concurrency: int, max_tokens: int) -> dict:
     """tokens/s of one server over ``prompts`` (after a warm-up wave of ``concurrency`` requests)."""
-    args = ["--dtype", "float32", "--max-running-requests", str(concurrency)]
-    if graft:
-        args += ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(models / "draft"),
-                 "--speculative-num-steps", "4", "--speculative-eagle-topk", "4",
-                 "--speculative-num-draft-tokens", "24"]
-    params = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    if graft:
+    params = {**sampling_params(max_tokens), "ignore_eos": True}
+    if method.method == "graft":
         params["custom_params"] = {OPT_OUT_KEY: False}
-
+    args = ["--dtype", "float32", "--max-running-requests", str(concurrency), *method.server_args()]
     with SGLangServer(str(models / "target"), args) as srv:
-        def gen(ids):
-            r = httpx.post(f"{srv.url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=600)
-            r.raise_for_status()
-            return r.json()["meta_info"]["completion_tokens"]
-
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(gen, prompts[:concurrency]))
-            t0 = time.perf_counter()
-            tokens = sum(pool.map(gen, prompts))
-            dt = time.perf_counter() - t0
-    return {"method": "graft_plain_rounds" if graft else "nospec", "tokens": tokens, "seconds": round(dt, 2),
-            "tokens_per_s": round(tokens / dt, 1)}
+        run_prompts_sync(srv.url, prompts[:concurrency], concurrency, params)
+        res = run_prompts_sync(srv.url, prompts, concurrency, params)
+    tokens = sum(r.completion_tokens for r in res.results)
+    return {"method": "graft_plain_rounds" if method.method == "graft" else "nospec", "tokens": tokens,
+            "seconds": round(res.wall_s, 2), "tokens_per_s": round(tokens / res.wall_s, 1)}
 
 
 def main() -> None:
@@ -64,13 +50,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(a.models / "target"))
-    rows = [json.loads(x) for x in (REPO / "data" / "humaneval_dev.jsonl").read_text().splitlines()]
-    ids = [tok.encode(completion_text(r["prompt"]), add_special_tokens=False) for r in rows]
-    prompts = (ids * (a.requests // len(ids) + 1))[: a.requests]
-    out = [run(a.models, graft, prompts, a.concurrency, a.max_tokens) for graft in (False, True)]
+    code = load_prompts(REPO / "data" / "humaneval_dev.jsonl")
+    prompts = (code * (a.requests // len(code) + 1))[: a.requests]
+    methods = [MethodSpec("nospec", "nospec"), MethodSpec("graft", "graft_n24", 24, 4, 4, str(a.models / "draft"))]
+    out = [run(a.models, m, prompts, a.concurrency, a.max_tokens) for m in methods]
     for row in out:
         print(json.dumps(row))
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "rows": out,
