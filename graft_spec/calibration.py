@@ -15,10 +15,10 @@ Each candidate carries a *calibration bin*: a small integer computed from its fe
 |---|---|---|
 | draft | node depth, cumulative draft probability q | q |
 | successor | template slot (= its rank path and depth) | product of rank priors |
-| suffix, corpus | depth, count-ratio path probability p, match length | p x 0.85**depth |
+| suffix, corpus, outputs | depth, count-ratio path probability p, match length | p x 0.85**depth |
 | lookup | depth, match length (p = 1) | 0.85**depth |
 
-and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 3 x retrieval)`` bins in all
+and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 4 x retrieval)`` bins in all
 (a few thousand floats). The estimate of a bin is the posterior mean
 ``(hits + w * prior) / (trials + w)``. It is not forced to be monotone in the probability axis (a
 cumulative max would let the prior of a bin never tried override the data of its neighbour); a bin
@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "NUM_MEMBERS",
-    "MEMBER_NAMES",
+    "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
+    "NUM_MEMBERS",
+    "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
     "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator",
 ]
 
@@ -50,8 +51,11 @@ MEMBER_SUCCESSOR = 1  #: successor table (token recycling)
 MEMBER_SUFFIX = 2     #: per-request suffix index
 MEMBER_CORPUS = 3     #: shared corpus
 MEMBER_LOOKUP = 4     #: prompt lookup in the slot's device history
-NUM_MEMBERS = 5
-MEMBER_NAMES = ("draft", "successor", "suffix", "corpus", "lookup")
+MEMBER_OUTPUTS = 5    #: earlier requests' outputs (cross-request index)
+NUM_MEMBERS = 6
+MEMBER_NAMES = ("draft", "successor", "suffix", "corpus", "lookup", "outputs")
+#: The members priced by `Calibrator.retrieval_bins` (depth, path probability, match length).
+RETRIEVAL_MEMBERS = (MEMBER_SUFFIX, MEMBER_CORPUS, MEMBER_LOOKUP, MEMBER_OUTPUTS)
 
 #: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
 LOGP_EDGES = (-0.1, -0.3, -0.6, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0, -14.0)
@@ -72,7 +76,7 @@ def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BinLayout:
-    """Offsets of the calibration bins (per mode: draft, successor, suffix, corpus blocks).
+    """Offsets of the calibration bins (per mode: draft, successor, then one block per retrieval member).
 
     Args:
         draft_depth: deepest draft node depth (the draft steps).
@@ -104,7 +108,7 @@ class BinLayout:
 
     @property
     def per_mode(self) -> int:
-        return self.draft_bins + self.template_size + 3 * self.retrieval_bins
+        return self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
 
     @property
     def size(self) -> int:
@@ -113,8 +117,11 @@ class BinLayout:
 
     def offset(self, member: int) -> int:
         """First bin of a member source's block within one mode."""
-        first = self.draft_bins + self.template_size
-        return (0, self.draft_bins, first, first + self.retrieval_bins, first + 2 * self.retrieval_bins)[member]
+        if member == MEMBER_DRAFT:
+            return 0
+        if member == MEMBER_SUCCESSOR:
+            return self.draft_bins
+        return self.draft_bins + self.template_size + RETRIEVAL_MEMBERS.index(member) * self.retrieval_bins
 
 
 class Calibrator:
@@ -147,10 +154,10 @@ class Calibrator:
         self.prior = self._prior(successor_prior.to(self.device)).contiguous()
         self._retrieval_base = torch.tensor([layout.offset(m) if m >= MEMBER_SUFFIX else 0
                                              for m in range(NUM_MEMBERS)], device=self.device)
-        # [2 modes, 3 retrieval members, depth bins, q bins * match bins] indices of the retrieval bins
+        # [2 modes, retrieval members, depth bins, q bins * match bins] indices of the retrieval bins
         per = layout.num_q * layout.num_match
         first = torch.tensor([[mode * layout.per_mode + layout.offset(m) for m in
-                               (MEMBER_SUFFIX, MEMBER_CORPUS, MEMBER_LOOKUP)] for mode in (0, 1)], device=self.device)
+                               RETRIEVAL_MEMBERS] for mode in (0, 1)], device=self.device)
         self._retr_idx = (first[:, :, None, None] + torch.arange(layout.num_depth, device=self.device)[:, None] * per
                           + torch.arange(per, device=self.device)).contiguous()
         self._chain_decay = [CHAIN_DECAY ** (b - a) for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:])]
@@ -190,8 +197,8 @@ class Calibrator:
 
     def retrieval_bins(self, member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor,
                        match: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """Bins of suffix / corpus / lookup nodes (``member`` MEMBER_SUFFIX, MEMBER_CORPUS or
-        MEMBER_LOOKUP per node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
+        """Bins of suffix / corpus / lookup / outputs nodes (``member`` one of `RETRIEVAL_MEMBERS` per
+        node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
         Returns ``int64[B, M]``."""
         lay = self.layout
         within = ((self.depth_bin(depth) * lay.num_q + self.q_bin(logp)) * lay.num_match
@@ -210,14 +217,14 @@ class Calibrator:
                 ).expand(lay.num_depth, lay.num_q, lay.num_match).reshape(-1)
         succ = torch.zeros(lay.template_size, device=self.device)
         succ[: successor_prior.numel()] = successor_prior.float()[: lay.template_size]
-        mode = torch.cat([draft, succ, retr, retr, retr])
+        mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_MEMBERS)])
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
     def estimates(self) -> torch.Tensor:
         """``float32[size + 1]``: posterior means ``(hits + w * prior) / (trials + w)``; the dump bin
         is 0. Computed once per round (a fixed ~40 small ops on the table).
 
-        Retrieval bins (suffix, corpus, lookup) chain their prior along depth: the prior of depth bin
+        Retrieval bins (suffix, corpus, lookup, outputs) chain their prior along depth: the prior of depth bin
         d is the *estimate* of bin d-1 (same member, mode, probability and match bins) times
         ``CHAIN_DECAY`` per depth step, and only the shallowest bin uses the fixed prior. A fixed
         prior that falls with depth is never explored where it is too low: on repetitive text a
@@ -227,7 +234,7 @@ class Calibrator:
         tried neighbour, gets selected when its neighbour is good, and is corrected by its own trials.
         """
         est = (self.hits + self.w * self.prior) / (self.trials + self.w)
-        h, t = self.hits[self._retr_idx], self.trials[self._retr_idx]            # [2, 3, D, Q*M]
+        h, t = self.hits[self._retr_idx], self.trials[self._retr_idx]            # [2, R, D, Q*M]
         prev = est[self._retr_idx[:, :, 0]]
         chained = [prev]
         for d, decay in enumerate(self._chain_decay, start=1):                    # fixed count

@@ -102,13 +102,19 @@ class RetrievalConfig(BaseModel):
     caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
     ``max_candidates`` slots per request in the host candidate buffer.
 
-    Isolation: the successor table is the only retrieval state learnt across requests (the suffix
-    index and lookup are per request; the corpus is static). With ``isolation: shared`` (default)
-    every request learns from and benefits from all traffic; ``tenant`` gives each tenant (SGLang:
-    the request's ``extra_key``) its own table, up to ``max_tenants`` at once (the least recently
-    used group is reset and reused); ``request`` gives each request its own hashed table of
-    ``request_table_rows`` rows. Sharing speeds up common text; isolation keeps one tenant's text
-    from changing another's acceptance timing (a known side channel of speculative decoding).
+    Outputs (host): the output index holds what earlier requests generated (their prompt's last
+    ``match_len`` tokens and their output, inserted when they stop; SuffixDecoding's global tree),
+    at most ``outputs_max_tokens`` of the newest tokens per isolation group (retrieval/outputs.py);
+    live requests match their context tail against it like the corpus.
+
+    Isolation: the successor table and the output index are the retrieval state learnt across
+    requests (the suffix index and lookup are per request; the corpus is static). With
+    ``isolation: shared`` (default) every request learns from and benefits from all traffic;
+    ``tenant`` gives each tenant (SGLang: the request's ``extra_key``) its own table and output
+    index, up to ``max_tenants`` at once (the least recently used group is reset and reused);
+    ``request`` gives each request its own hashed table of ``request_table_rows`` rows and turns the
+    output index off. Sharing speeds up common text; isolation keeps one tenant's text from
+    changing another's acceptance timing (a known side channel of speculative decoding).
 
     Lookup (device): the last ``history_len`` committed tokens of every request stay on the
     device; the context's tail (up to ``lookup_max_match`` tokens) is matched within them and the
@@ -138,8 +144,12 @@ class RetrievalConfig(BaseModel):
     corpus_path: Optional[str] = None
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
 
+    outputs: bool = True
+    outputs_max_tokens: int = Field(default=262_144, ge=1024, le=1 << 30,
+                                    description="newest output tokens kept per isolation group")
+
     isolation: Literal["shared", "tenant", "request"] = Field(
-        default="shared", description="who shares the successor table: everyone, a tenant, a request")
+        default="shared", description="who shares the successor table and output index: everyone, a tenant, a request")
     max_tenants: int = Field(default=8, ge=1, le=4096, description="tenant groups (least recently used reused)")
     request_table_rows: int = Field(default=4096, ge=64, description="hashed rows per request group")
 
@@ -150,7 +160,7 @@ class RetrievalConfig(BaseModel):
 
     max_candidates: int = Field(default=64, ge=1, le=1024,
                                 description="successor template slots (at most N - 1) and host "
-                                            "candidate slots per request (shared by suffix and corpus)")
+                                            "candidate slots per request (shared by suffix, corpus and outputs)")
 
     @model_validator(mode="after")
     def _check(self) -> "RetrievalConfig":
@@ -169,7 +179,7 @@ class RetrievalConfig(BaseModel):
 
     @property
     def match_len(self) -> int:
-        """Longest context suffix the suffix index and corpus match on (``suffix_max_match``, or a
+        """Longest context suffix the suffix index, corpus and output index match on (``suffix_max_match``, or a
         quarter of ``suffix_max_depth``)."""
         return self.suffix_max_match or max(1, self.suffix_max_depth // 4)
 

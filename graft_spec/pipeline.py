@@ -193,7 +193,7 @@ class GraftPlanner:
         ids = [int(t) for t in prompt_ids]
         self.assign_group(req_id, tenant)
         self._seen[req_id] = len(ids)
-        self.retriever.start(req_id, ids)
+        self.retriever.start(req_id, ids, tenant)
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Tokens ``req_id`` committed since the last call (host view), in order."""

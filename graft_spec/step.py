@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .calibration import MEMBER_CORPUS, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
+from .calibration import MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
@@ -358,18 +358,18 @@ class GraftStep:
             _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(torch.zeros_like(e, dtype=torch.int64))
+            group.append(torch.full_like(e, MEMBER_SUCCESSOR, dtype=torch.int64))
         if self.config.retrieval.lookup:
             _, _, e, v, _, _ = self._lookup_part(hist, count, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(torch.full_like(e, 3, dtype=torch.int64))
+            group.append(torch.full_like(e, MEMBER_LOOKUP, dtype=torch.int64))
         if host.width > 0:
             _, _, e, v, _, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(1 + (member == MEMBER_CORPUS).to(torch.int64))
-        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), 4, self.n - 1)
+            group.append(member.clamp(min=0))
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), NUM_MEMBERS, self.n - 1)
         if not self.config.draft_nodes:
             floor = torch.full_like(floor, math.inf)
         return floor

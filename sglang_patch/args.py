@@ -6,7 +6,7 @@ One way to configure (STYLE.md): every source ends in ``graft_spec.config.load_c
 fields with ``__``; a prefix of their own, so tooling variables such as ``GRAFT_VENV`` never parse as
 configuration) < ``--graft-<field>`` flags (nested fields with ``-``: ``--graft-retrieval-suffix-max-depth``).
 Convenience flags: ``--graft-budget N`` (= ``num_draft_tokens``) and
-``--graft-retrieval successor,suffix,lookup[,corpus]|none``.
+``--graft-retrieval successor,suffix,lookup,outputs[,corpus]|none``.
 
 The tree shape is shared with SGLang: ``GraftConfig.num_draft_tokens / topk / depth`` are
 ``--speculative-num-draft-tokens / --speculative-eagle-topk / --speculative-num-steps``. SGLang's
@@ -44,7 +44,7 @@ SHARED_SHAPE = {
     "topk": "speculative_eagle_topk",
     "depth": "speculative_num_steps",
 }
-_RETRIEVAL_SOURCES = ("successor", "suffix", "corpus", "lookup")
+_RETRIEVAL_SOURCES = ("successor", "suffix", "corpus", "lookup", "outputs")
 
 
 class GraftSettingsError(ValueError):
@@ -222,7 +222,7 @@ def add_graft_cli_args(result, parser: argparse.ArgumentParser):
                        " SGLang's --speculative-num-draft-tokens).")
     group.add_argument("--graft-retrieval", dest=_DEST + "retrieval", default=None,
                        type=_retrieval_flag, metavar="SOURCES",
-                       help="Retrieval sources: comma list of successor,suffix,lookup,corpus or 'none'.")
+                       help="Retrieval sources: comma list of successor,suffix,lookup,outputs,corpus or 'none'.")
     try:
         paths = config_field_paths()
     except Exception as exc:  # graft_spec missing or broken: keep SGLang usable for other algorithms

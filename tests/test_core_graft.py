@@ -192,7 +192,7 @@ def test_member_bins_credit_every_proposing_source():
     assert mb.shape == (1, 5, NUM_MEMBERS)
     assert mb[0, 1, MEMBER_DRAFT] == 10 and mb[0, 1, MEMBER_SUFFIX] == 20
     assert mb[0, 2, MEMBER_DRAFT] == 11 and mb[0, 2, MEMBER_SUFFIX] == 21
-    assert mb[0, 3].tolist() == [-1, -1, 22, -1, -1]
+    assert mb[0, 3].tolist() == [-1, -1, 22, -1, -1, -1]
     assert (mb[0, 0] == -1).all() and (mb[0, 4] == -1).all()
 
 

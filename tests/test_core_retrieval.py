@@ -1,4 +1,5 @@
-"""Retrieval sources: successor table, counting trie, suffix index, corpus, host buffer, planner lifecycle."""
+"""Retrieval sources: successor table, counting trie, suffix index, corpus, output index, host buffer, planner
+lifecycle."""
 
 import json
 import math
@@ -10,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graft_spec.calibration import MEMBER_CORPUS, MEMBER_SUFFIX
+from graft_spec.calibration import MEMBER_CORPUS, MEMBER_OUTPUTS, MEMBER_SUFFIX
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
-from graft_spec.retrieval import (CorpusIndex, CountTrie, HostCandidateBuffer, Retriever, SuccessorTable, SuffixIndex,
-                                  rank_template)
+from graft_spec.retrieval import (CorpusIndex, CountTrie, HostCandidateBuffer, OutputIndex, Retriever, SuccessorTable,
+                                  SuffixIndex, rank_template)
 
 
 # ----------------------------------------------------------------------------- successor matrix
@@ -251,7 +252,11 @@ def test_lifecycle_no_leaks():
         for r in range(50):
             planner.stop_request(r)
         assert planner.live_requests() == 0
-        assert planner.memory_bytes() <= base + 1024
+        # what stays is the output index's tries: bounded by outputs_max_tokens, not by the requests
+        outputs = planner.retriever.source("outputs")
+        kept = sum(t.memory_bytes() for g in outputs._groups.values() for t in g.tries())
+        assert outputs.inserted == 8 * 50 * (rep + 1)
+        assert planner.memory_bytes() <= base + kept + 1024
     planner.stop_request("never-started")  # harmless
 
 
@@ -293,7 +298,7 @@ def test_corpus_formats_and_cap(tmp_path):
 
 def test_retriever_from_config_sources_and_buffer_rows(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps([[1, 2, 3, 4]]))
-    cfg = GraftConfig(retrieval={"successor": False, "suffix": True, "corpus": True,
+    cfg = GraftConfig(retrieval={"successor": False, "suffix": True, "corpus": True, "outputs": False,
                                  "corpus_path": str(tmp_path / "c.json"), "max_candidates": 8})
     r = Retriever.from_config(cfg)
     assert [s.name for s in r.sources] == ["suffix", "corpus"]
@@ -327,3 +332,78 @@ def test_buffer_upload_is_not_overwritten_by_the_next_fill():
     assert first.tokens[0, :2].tolist() == [11, 12] and first.anchor_len.tolist() == [5]
     assert second.tokens[0, :1].tolist() == [21] and second.anchor_len.tolist() == [9]
     assert first.tokens.data_ptr() != second.tokens.data_ptr()
+
+
+# ----------------------------------------------------------------------------- output index
+
+def test_output_index_proposes_what_earlier_requests_wrote():
+    idx = OutputIndex(max_depth=16, max_match=4, max_tokens=1024)
+    idx.start("a", [1, 2, 3])
+    idx.extend("a", [10, 11, 12, 13])
+    assert len(idx.propose("a", 8)) == 0          # a live request's own output is not in the index
+    idx.start("b", [5, 3])
+    assert len(idx.propose("b", 8)) == 0          # nothing stopped yet
+    idx.stop("a")
+    # b's context "... 3" continues as a's did after its prompt tail: 10 11 12 13
+    p = idx.propose("b", 8)
+    assert p.tokens == [10, 11, 12, 13] and p.parents == [-1, 0, 1, 2] and p.match_len == 1
+    idx.extend("b", [10, 11])
+    p = idx.propose("b", 8)
+    assert p.tokens == [12, 13] and p.match_len == 3  # "3 10 11"
+    idx.stop("b")
+    assert idx.live_requests() == 0 and idx.inserted == 6
+    idx.stop("never-started")                     # harmless
+
+
+def test_output_index_tenants_are_isolated_and_least_recently_used_dropped():
+    idx = OutputIndex(max_depth=8, max_match=2, max_tokens=256, max_groups=2)
+    for tenant, out in (("x", [40, 41]), ("y", [50, 51]), ("z", [60, 61])):
+        idx.start(tenant, [7], tenant=tenant)
+        idx.extend(tenant, out)
+        idx.stop(tenant)
+    seen = {}
+    for tenant in ("x", "y", "z", None):
+        idx.start("q", [7], tenant=tenant)
+        seen[tenant] = idx.propose("q", 4).tokens
+        idx.stop("q")                             # q wrote nothing: inserts nothing
+    assert seen == {"x": [], "y": [50, 51], "z": [60, 61], None: []}   # x was dropped for z
+
+
+def test_output_index_memory_is_bounded_and_keeps_the_newest():
+    rng = random.Random(3)
+    idx = OutputIndex(max_depth=8, max_match=2, max_tokens=2000)
+    for r in range(300):
+        idx.start(r, [rng.randrange(5000)])
+        idx.extend(r, [rng.randrange(5000) for _ in range(20)])
+        idx.stop(r)
+    gen = idx._groups[None]
+    held = sum(sum(1 for t in trie.hist if t >= 0) for trie in gen.tries())
+    assert held <= 2000 + 2 * 150                 # outputs + their 1-token prompt tails
+    assert gen.old is not None
+    idx.start("new", [1, 2])
+    idx.extend("new", [4242, 4343, 4444])
+    idx.stop("new")
+    idx.start("q", [9, 4242])
+    assert idx.propose("q", 4).tokens == [4343, 4444]
+
+
+def test_output_index_in_the_retriever_follows_isolation():
+    def names(**kw):
+        return [s.name for s in Retriever.from_config(GraftConfig(retrieval=kw)).sources]
+
+    assert names() == ["suffix", "outputs"]
+    assert names(isolation="request") == ["suffix"]
+    assert names(outputs=False) == ["suffix"]
+    r = Retriever.from_config(GraftConfig(retrieval={"isolation": "tenant", "max_tenants": 3}))
+    assert r.source("outputs").max_groups == 3 and r.source("outputs").member == MEMBER_OUTPUTS
+    # the planner hands the tenant down
+    planner = GraftPlanner(GraftConfig(num_draft_tokens=16, topk=4, depth=3,
+                                       retrieval={"isolation": "tenant", "suffix": False}), vocab_size=100)
+    planner.start_request(1, [3, 4], tenant="t1")
+    planner.extend(1, [5, 6, 7])
+    planner.stop_request(1)
+    planner.start_request(2, [4], tenant="t2")
+    planner.start_request(3, [4], tenant="t1")
+    hc = planner.host_candidates([2, 3])
+    assert (hc.member[0] == -1).all()
+    assert hc.tokens[1, :3].tolist() == [5, 6, 7] and hc.member[1, :3].tolist() == [MEMBER_OUTPUTS] * 3

@@ -364,7 +364,8 @@ def test_simulated_graft_is_lossless_and_not_worse_than_its_parts(skill):
     """Default config (no checkpoints, no tuning): tau(graft) >= max(draft-only, retrieval-only) - 3%."""
     base = dict(num_draft_tokens=12, topk=3, depth=4)
     taus = {}
-    for name, extra in {"graft": {}, "draft_only": {"retrieval": {"successor": False, "suffix": False, "lookup": False}},
+    for name, extra in {"graft": {}, "draft_only": {"retrieval": {"successor": False, "suffix": False, "lookup": False,
+                                                                 "outputs": False}},
                         "retrieval_only": {"draft_nodes": False}}.items():
         tau, ok = simulate(GraftConfig(**base, **extra), skill, rounds=50)
         assert ok, f"{name}: emitted tokens differ from the target's greedy continuation"

@@ -195,7 +195,7 @@ def test_retrieval_rescues_a_useless_drafter_and_stays_lossless():
     prompts = {"a": cycle * 2 + cycle[:3], "b": cycle[2:] + cycle}
     base = dict(num_draft_tokens=24, topk=3, depth=k)  # 12 spine nodes + 11 slots for retrieval
     means = {}
-    for name, retrieval in (("on", {}), ("off", {"successor": False, "suffix": False, "lookup": False})):
+    for name, retrieval in (("on", {}), ("off", {"successor": False, "suffix": False, "lookup": False, "outputs": False})):
         outs, accepted, _ = _decode(GraftStep(GraftConfig(**base, retrieval=retrieval), vocab),
                                     target, drafter, prompts, k, new_tokens=40)
         for r, p in prompts.items():

@@ -1,4 +1,4 @@
-"""The interface shared by the host-side retrieval sources (suffix index, corpus).
+"""The interface shared by the host-side retrieval sources (suffix index, corpus, output index).
 
 Modelled on ArcticInference's small suffix-decoding API (start_request / add_active_response /
 speculate / stop_request): a source is told a request's prompt and every token it commits, and
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 __all__ = ["Proposal", "HostSource"]
 
@@ -44,14 +44,15 @@ class HostSource(abc.ABC):
 
     Attributes:
         name: short name (stats, logs).
-        member: the calibration member id (``calibration.MEMBER_SUFFIX`` / ``MEMBER_CORPUS``).
+        member: the calibration member id (one of ``calibration.RETRIEVAL_MEMBERS``).
     """
 
     name: str = "source"
     member: int = -1
 
-    def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
-        """A new request with its prompt token ids (idempotent per req_id: restarts it)."""
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
+        """A new request with its prompt token ids (idempotent per req_id: restarts it); ``tenant``:
+        its isolation label (None = the default tenant; only cross-request sources use it)."""
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Tokens committed for ``req_id`` since the last call, in order."""

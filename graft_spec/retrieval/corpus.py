@@ -117,7 +117,7 @@ class CorpusIndex(HostSource):
         return idx
 
     # ------------------------------------------------------------------ interface
-    def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
         self._tails[req_id] = deque((int(t) for t in prompt_ids[-self.max_match:]), maxlen=self.max_match)
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:

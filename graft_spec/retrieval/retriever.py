@@ -1,4 +1,4 @@
-"""Fan-out over the host-side sources (suffix index, corpus) into the candidate buffer.
+"""Fan-out over the host-side sources (suffix index, corpus, output index) into the candidate buffer.
 
 Sources are queried independently per request and their proposals written side by side into the
 request's buffer row (`HostCandidateBuffer.put`); duplicates across sources (and with the draft
@@ -14,6 +14,7 @@ from ..config import GraftConfig
 from .base import HostSource
 from .buffer import HostCandidateBuffer
 from .corpus import CorpusIndex
+from .outputs import OutputIndex
 from .suffix import SuffixIndex
 
 __all__ = ["Retriever"]
@@ -47,15 +48,19 @@ class Retriever:
             srcs.append(CorpusIndex.from_file(r.corpus_path, max_depth=r.suffix_max_depth,
                                               max_match=r.match_len, min_prob=r.suffix_min_prob,
                                               max_mb=r.corpus_max_mb))
+        if r.outputs and r.isolation != "request":
+            srcs.append(OutputIndex(max_depth=r.suffix_max_depth, max_match=r.match_len, min_prob=r.suffix_min_prob,
+                                    max_tokens=r.outputs_max_tokens,
+                                    max_groups=r.max_tenants if r.isolation == "tenant" else 1))
         return cls(srcs)
 
     def source(self, name: str) -> Optional[HostSource]:
-        """The source called ``name`` ("suffix", "corpus"), if enabled."""
+        """The source called ``name`` ("suffix", "corpus", "outputs"), if enabled."""
         return next((s for s in self.sources if s.name == name), None)
 
-    def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
         for s in self.sources:
-            s.start(req_id, prompt_ids)
+            s.start(req_id, prompt_ids, tenant)
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         for s in self.sources:

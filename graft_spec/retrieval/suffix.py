@@ -19,7 +19,7 @@ scores, min_token_prob pruning) — docs/suffix-decoding.rst.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Optional, Sequence
 
 from ..calibration import MEMBER_SUFFIX
 from .base import HostSource, Proposal
@@ -52,7 +52,7 @@ class SuffixIndex(HostSource):
         self._tries: dict[Hashable, CountTrie] = {}
         self.rebuilds = 0
 
-    def start(self, req_id: Hashable, prompt_ids: Sequence[int]) -> None:
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
         self._tries[req_id] = CountTrie(self.max_depth)
         self.extend(req_id, prompt_ids)
 
