@@ -117,6 +117,8 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
     }
     rids = list(_safe(lambda: tracker.states.keys(), []) or [])
     for src in sources:
+        if hasattr(src, "index_bytes"):  # the output index: shared tries, kept after requests stop
+            out["outputs_index_bytes"] = _safe(lambda src=src: int(src.index_bytes()))
         if hasattr(src, "num_nodes"):  # the suffix index: per-request trie sizes
             out["suffix_max_nodes_per_request"] = max((src.num_nodes(r) for r in rids), default=0)
             out["suffix_rebuilds"] = int(getattr(src, "rebuilds", 0))

@@ -252,9 +252,9 @@ def test_lifecycle_no_leaks():
         for r in range(50):
             planner.stop_request(r)
         assert planner.live_requests() == 0
-        # what stays is the output index's tries: bounded by outputs_max_tokens, not by the requests
+        # what stays is the output index's tries: bounded by outputs_max_nodes, not by the requests
         outputs = planner.retriever.source("outputs")
-        kept = sum(t.memory_bytes() for g in outputs._groups.values() for t in g.tries())
+        kept = outputs.index_bytes()
         assert outputs.inserted == 8 * 50 * (rep + 1)
         assert planner.memory_bytes() <= base + kept + 1024
     planner.stop_request("never-started")  # harmless
@@ -337,7 +337,7 @@ def test_buffer_upload_is_not_overwritten_by_the_next_fill():
 # ----------------------------------------------------------------------------- output index
 
 def test_output_index_proposes_what_earlier_requests_wrote():
-    idx = OutputIndex(max_depth=16, max_match=4, max_tokens=1024)
+    idx = OutputIndex(max_depth=16, max_match=4, max_nodes=1024)
     idx.start("a", [1, 2, 3])
     idx.extend("a", [10, 11, 12, 13])
     assert len(idx.propose("a", 8)) == 0          # a live request's own output is not in the index
@@ -356,7 +356,7 @@ def test_output_index_proposes_what_earlier_requests_wrote():
 
 
 def test_output_index_tenants_are_isolated_and_least_recently_used_dropped():
-    idx = OutputIndex(max_depth=8, max_match=2, max_tokens=256, max_groups=2)
+    idx = OutputIndex(max_depth=8, max_match=2, max_nodes=256, max_groups=2)
     for tenant, out in (("x", [40, 41]), ("y", [50, 51]), ("z", [60, 61])):
         idx.start(tenant, [7], tenant=tenant)
         idx.extend(tenant, out)
@@ -371,7 +371,7 @@ def test_output_index_tenants_are_isolated_and_least_recently_used_dropped():
 
 def test_output_index_memory_is_bounded_and_keeps_the_newest():
     rng = random.Random(3)
-    idx = OutputIndex(max_depth=8, max_match=2, max_tokens=2000)
+    idx = OutputIndex(max_depth=8, max_match=2, max_nodes=2000)
     for r in range(300):
         idx.start(r, [rng.randrange(5000)])
         idx.extend(r, [rng.randrange(5000) for _ in range(20)])

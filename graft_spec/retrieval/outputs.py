@@ -15,11 +15,13 @@ recently used one dropped when a new tenant needs room; ``request`` = nothing cr
 the source is not built (`Retriever.from_config`).
 
 Memory bound and eviction, with no rebuild stall: each index holds two generations of trie. Outputs
-go into the young one; once it holds ``max_tokens // 2`` tokens the old generation is dropped and
-the young one becomes old. So an index holds between ``max_tokens // 2`` and ``max_tokens`` of the
-most recent tokens (plus one output, which is cut to ``max_tokens // 2``), every insert is
-O(length) amortised, and a proposal takes the longer of the two generations' matches (the young
-one on a tie). Inserting costs about 2 us per token on a 2-core CPU, at request stop.
+go into the young one; once it holds ``max_nodes // 2`` trie nodes or history tokens, the old
+generation is dropped and the young one becomes old. So a group holds at most ``max_nodes`` nodes
+and ``max_nodes`` tokens of the most recent outputs, plus the last insert (one request: at most
+``max_request_tokens + max_match`` tokens and ``max_depth`` nodes per token) in each generation, as
+the suffix index bounds a request by ``suffix_max_nodes``; every insert is O(length) amortised and a
+proposal takes the longer of the two generations' matches (the young one on a tie). Inserting costs
+about 2 us per token on a 2-core CPU, at request stop.
 
 Every rank of a tensor-parallel group sees the same requests start, extend and stop in the same
 order (the scheduler runs in lockstep), so the index and its proposals are identical across ranks.
@@ -27,6 +29,7 @@ order (the scheduler runs in lockstep), so the index and its proposals are ident
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
@@ -57,12 +60,13 @@ class _Generations:
 
 @dataclass
 class _Live:
-    """A live request: its matching tail, the prompt tail and the output it will contribute."""
+    """A live request: its matching tail, the prompt tail and the output it will contribute
+    (int32, at most ``max_request_tokens``)."""
 
     group: Hashable
     tail: deque
     prompt_tail: list[int]
-    output: list[int]
+    output: array
 
 
 class OutputIndex(HostSource):
@@ -72,8 +76,11 @@ class OutputIndex(HostSource):
         max_depth: trie depth (match + continuation), >= 2.
         max_match: longest context tail matched, < max_depth.
         min_prob: drop continuation nodes whose count-ratio path product is below this.
-        max_tokens: tokens held per group (two generations of ``max_tokens // 2``), >= 2 * max_depth.
+        max_nodes: trie nodes (and history tokens) held per group, two generations of ``max_nodes // 2``,
+            >= 4 * max_depth.
         max_groups: isolation groups held at once (least recently used dropped).
+        max_request_tokens: output tokens a request contributes (its first ones), >= 1; this is
+            the only per-request memory of the index (4 bytes per token while the request lives).
     Raises:
         ValueError: bounds above violated.
     """
@@ -82,15 +89,16 @@ class OutputIndex(HostSource):
     member = MEMBER_OUTPUTS
 
     def __init__(self, max_depth: int = 64, max_match: int = 16, min_prob: float = 0.1,
-                 max_tokens: int = 262_144, max_groups: int = 1):
+                 max_nodes: int = 262_144, max_groups: int = 1, max_request_tokens: int = 2048):
         if not 1 <= max_match < max_depth:
             raise ValueError("OutputIndex needs 1 <= max_match < max_depth")
-        if max_tokens < 2 * max_depth:
-            raise ValueError("OutputIndex max_tokens must be >= 2 * max_depth")
-        if max_groups < 1:
-            raise ValueError("OutputIndex max_groups must be >= 1")
+        if max_nodes < 4 * max_depth:
+            raise ValueError("OutputIndex max_nodes must be >= 4 * max_depth")
+        if max_groups < 1 or max_request_tokens < 1:
+            raise ValueError("OutputIndex max_groups and max_request_tokens must be >= 1")
         self.max_depth, self.max_match, self.min_prob = max_depth, max_match, min_prob
-        self.max_tokens, self.max_groups = max_tokens, max_groups
+        self.max_nodes, self.max_groups = max_nodes, max_groups
+        self.max_request_tokens = min(max_request_tokens, max_nodes // 2)
         self._groups: OrderedDict[Hashable, _Generations] = OrderedDict()
         self._live: dict[Hashable, _Live] = {}
         self.inserted = 0
@@ -98,7 +106,7 @@ class OutputIndex(HostSource):
     # ------------------------------------------------------------------ lifecycle
     def start(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
         tail = [int(t) for t in prompt_ids[-self.max_match:]]
-        self._live[req_id] = _Live(tenant, deque(tail, maxlen=self.max_match), tail, [])
+        self._live[req_id] = _Live(tenant, deque(tail, maxlen=self.max_match), tail, array("i"))
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         live = self._live.get(req_id)
@@ -106,7 +114,7 @@ class OutputIndex(HostSource):
             return
         toks = [int(t) for t in new_tokens]
         live.tail.extend(toks[-self.max_match:])
-        room = self.max_tokens // 2 - len(live.output)
+        room = self.max_request_tokens - len(live.output)
         if room > 0:
             live.output.extend(toks[:room])
 
@@ -116,12 +124,12 @@ class OutputIndex(HostSource):
         if live is None or not live.output:
             return
         gen = self._group(live.group, create=True)
-        if gen.young_tokens >= self.max_tokens // 2:
+        if max(gen.young_tokens, gen.young.num_nodes) >= self.max_nodes // 2:
             gen.old, gen.young, gen.young_tokens = gen.young, CountTrie(self.max_depth), 0
         gen.young.reset_stream()
-        gen.young.extend(live.prompt_tail + live.output)
+        gen.young.extend(live.prompt_tail + live.output.tolist())
         gen.young.reset_stream()
-        gen.young_tokens += len(live.output)
+        gen.young_tokens += len(live.prompt_tail) + len(live.output)
         self.inserted += len(live.output)
 
     def _group(self, key: Hashable, create: bool) -> Optional[_Generations]:
@@ -138,9 +146,18 @@ class OutputIndex(HostSource):
     def live_requests(self) -> int:
         return len(self._live)
 
+    def index_bytes(self) -> int:
+        """Bytes of the tries (shared, bounded by ``max_nodes`` per group, kept after requests stop)."""
+        return sum(t.memory_bytes() for g in self._groups.values() for t in g.tries())
+
+    def index_nodes(self) -> int:
+        """Trie nodes held over all groups and generations."""
+        return sum(t.num_nodes for g in self._groups.values() for t in g.tries())
+
     def memory_bytes(self) -> int:
-        tries = sum(t.memory_bytes() for g in self._groups.values() for t in g.tries())
-        return tries + sum(64 + 28 * (len(v.output) + 2 * self.max_match) for v in self._live.values())
+        """`index_bytes` plus the live requests' buffers (``4 * max_request_tokens + 72 * max_match
+        + 64`` bytes each at most)."""
+        return self.index_bytes() + sum(64 + 4 * len(v.output) + 72 * self.max_match for v in self._live.values())
 
     def propose(self, req_id: Hashable, budget: int) -> Proposal:
         """Longest match of the request's context tail in its group's index, then its continuation."""

@@ -50,7 +50,7 @@ class Retriever:
                                               max_mb=r.corpus_max_mb))
         if r.outputs and r.isolation != "request":
             srcs.append(OutputIndex(max_depth=r.suffix_max_depth, max_match=r.match_len, min_prob=r.suffix_min_prob,
-                                    max_tokens=r.outputs_max_tokens,
+                                    max_nodes=r.outputs_max_nodes, max_request_tokens=r.outputs_max_request_tokens,
                                     max_groups=r.max_tenants if r.isolation == "tenant" else 1))
         return cls(srcs)
 

@@ -47,13 +47,30 @@ SHAPE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "4",
 #: (test_server_stats.py measures <= 184 B/node with ``memory_bytes()``'s accounting and <= 175 B/node
 #: of real allocations with tracemalloc), plus a fixed per-request overhead.
 BYTES_PER_SUFFIX_NODE = 210
-PER_REQUEST_OVERHEAD = 4096
+#: Fixed per-request overhead, the output index's buffer of a live request included (int32 tokens,
+#: at most ``retrieval.outputs_max_request_tokens`` = 2048, plus its two context tails).
+PER_REQUEST_OVERHEAD = 4096 + 4 * 2048 + 2048
+#: The output index (shared, kept after requests stop) is a trie like the suffix index: at most
+#: ``retrieval.outputs_max_nodes`` nodes and tokens per isolation group plus the last insert of each
+#: of its two generations, at ``BYTES_PER_SUFFIX_NODE`` each.
 
 
-def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = SUFFIX_MAX_NODES) -> int:
-    """Upper bound of ``GraftPlanner.memory_bytes()``: the fixed successor table plus, per live
-    request, ``BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD``."""
-    return successor_bytes + live_requests * (BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD)
+def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = SUFFIX_MAX_NODES,
+                    outputs_index_bytes: int = 0) -> int:
+    """Upper bound of ``GraftPlanner.memory_bytes()``: the fixed successor table, the output index's
+    tries (shared; bounded on their own, see `outputs_index_bound`)
+    plus, per live request, ``BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD``."""
+    return (successor_bytes + outputs_index_bytes
+            + live_requests * (BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD))
+
+
+def outputs_index_bound(index) -> int:
+    """Upper bound of an `OutputIndex`'s ``index_bytes()`` from its caps: per group ``max_nodes``
+    nodes and tokens plus, in each of two generations, one insert of ``max_request_tokens +
+    max_match`` tokens with up to ``max_depth`` nodes each."""
+    insert = index.max_request_tokens + index.max_match
+    per_group = index.max_nodes + 2 * insert * index.max_depth
+    return BYTES_PER_SUFFIX_NODE * per_group * index.max_groups + 4096
 
 
 def graft_args(draft: Path) -> List[str]:

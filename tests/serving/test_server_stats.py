@@ -23,7 +23,7 @@ from sglang_patch import server_stats
 from sglang_patch.graft_requests import GraftRequestTracker
 from sglang_patch.metrics import GraftStats
 
-from .conftest import BYTES_PER_SUFFIX_NODE, PER_REQUEST_OVERHEAD, retrieval_bound
+from .conftest import BYTES_PER_SUFFIX_NODE, PER_REQUEST_OVERHEAD, outputs_index_bound, retrieval_bound
 
 VOCAB = 2048
 
@@ -192,7 +192,10 @@ def test_retrieval_memory_bounded_by_the_cap(max_nodes, kind, record_property):
     if kind != "repeat":
         assert suffix.rebuilds > 0 and peak_nodes > max_nodes // 2  # the cap was really reached
     planner.stop_request("a")
-    assert planner.memory_bytes() == succ and planner.live_requests() == 0
+    # only the output index's tries stay (what "a" wrote, bounded by outputs_max_nodes)
+    outputs = planner.retriever.source("outputs")
+    assert planner.memory_bytes() == succ + outputs.index_bytes() and planner.live_requests() == 0
+    assert outputs.index_bytes() <= outputs_index_bound(outputs)
 
 
 def test_many_requests_and_a_prompt_far_over_the_cap():
@@ -214,4 +217,6 @@ def test_many_requests_and_a_prompt_far_over_the_cap():
     assert planner.memory_bytes() <= retrieval_bound(succ, 33, max_nodes)
     for i in [*range(32), "long"]:
         planner.stop_request(i)
-    assert planner.memory_bytes() == succ and planner.live_requests() == 0
+    outputs = planner.retriever.source("outputs")
+    assert planner.memory_bytes() == succ + outputs.index_bytes() and planner.live_requests() == 0
+    assert outputs.index_bytes() <= outputs_index_bound(outputs)
