@@ -102,10 +102,11 @@ class RetrievalConfig(BaseModel):
     caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
     ``max_candidates`` slots per request in the host candidate buffer.
 
-    Outputs (host): the output index holds what earlier requests generated (their prompt's last
-    ``match_len`` tokens and their output, inserted when they stop; SuffixDecoding's global tree),
-    at most ``outputs_max_nodes`` trie nodes of the newest outputs per isolation group, each request adding its
-    first ``outputs_max_request_tokens`` (4 bytes each while it lives; retrieval/outputs.py);
+    Outputs (host, off by default; docs/benchmark.md): the output index holds what earlier requests
+    generated (their prompt's last ``match_len`` tokens and their output, inserted when they stop;
+    SuffixDecoding's global tree), at most ``outputs_max_nodes`` trie nodes of the newest outputs per
+    isolation group, each request adding its first ``outputs_max_request_tokens`` (4 bytes each while
+    it lives; retrieval/outputs.py);
     live requests match their context tail against it like the corpus.
 
     Isolation: the successor table and the output index are the retrieval state learnt across
@@ -145,7 +146,7 @@ class RetrievalConfig(BaseModel):
     corpus_path: Optional[str] = None
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
 
-    outputs: bool = True
+    outputs: bool = False
     outputs_max_nodes: int = Field(default=262_144, ge=1024, le=1 << 30,
                                    description="trie nodes (and tokens) of the newest outputs per isolation group")
     outputs_max_request_tokens: int = Field(default=2048, ge=16, le=1 << 20,

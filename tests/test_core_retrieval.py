@@ -239,7 +239,7 @@ def test_suffix_index_memory_cap_and_eviction():
 
 
 def test_lifecycle_no_leaks():
-    cfg = GraftConfig(num_draft_tokens=16, topk=4, depth=3)
+    cfg = GraftConfig(num_draft_tokens=16, topk=4, depth=3, retrieval={"outputs": True})
     planner = GraftPlanner(cfg, vocab_size=500)
     base = planner.memory_bytes()
     rng = random.Random(1)
@@ -391,14 +391,15 @@ def test_output_index_in_the_retriever_follows_isolation():
     def names(**kw):
         return [s.name for s in Retriever.from_config(GraftConfig(retrieval=kw)).sources]
 
-    assert names() == ["suffix", "outputs"]
-    assert names(isolation="request") == ["suffix"]
-    assert names(outputs=False) == ["suffix"]
-    r = Retriever.from_config(GraftConfig(retrieval={"isolation": "tenant", "max_tenants": 3}))
+    assert names() == ["suffix"]                  # off by default (docs/benchmark.md says why)
+    assert names(outputs=True) == ["suffix", "outputs"]
+    assert names(outputs=True, isolation="request") == ["suffix"]
+    r = Retriever.from_config(GraftConfig(retrieval={"outputs": True, "isolation": "tenant", "max_tenants": 3}))
     assert r.source("outputs").max_groups == 3 and r.source("outputs").member == MEMBER_OUTPUTS
     # the planner hands the tenant down
     planner = GraftPlanner(GraftConfig(num_draft_tokens=16, topk=4, depth=3,
-                                       retrieval={"isolation": "tenant", "suffix": False}), vocab_size=100)
+                                       retrieval={"outputs": True, "isolation": "tenant", "suffix": False}),
+                           vocab_size=100)
     planner.start_request(1, [3, 4], tenant="t1")
     planner.extend(1, [5, 6, 7])
     planner.stop_request(1)

@@ -31,7 +31,8 @@ VOCAB = 2048
 def _planner(max_nodes: int = 512) -> GraftPlanner:
     cfg = GraftConfig.model_validate({
         "num_draft_tokens": 24, "topk": 4, "depth": 4,
-        "retrieval": {"suffix_max_nodes": max_nodes, "suffix_max_depth": 12, "suffix_max_match": 6}})
+        "retrieval": {"suffix_max_nodes": max_nodes, "suffix_max_depth": 12, "suffix_max_match": 6,
+                      "outputs": True}})
     return GraftPlanner(cfg, vocab_size=VOCAB)
 
 

@@ -206,7 +206,7 @@ def test_load_retrieval_memory_within_cap(load_run, record_property):
         succ = w["memory_bytes_by_source"]["successor"]
         assert w["suffix_max_nodes_per_request"] <= SUFFIX_MAX_NODES, w
         assert w["live_requests"] <= MAX_RUNNING, w
-        index = w["outputs_index_bytes"]   # shared output index, bounded on its own
+        index = w.get("outputs_index_bytes", 0)   # shared output index (when on), bounded on its own
         assert index <= BYTES_PER_SUFFIX_NODE * (262_144 + 2 * (2048 + 16) * 64), w
         bound = retrieval_bound(succ, w["planner_live_requests"], outputs_index_bytes=index)
         assert w["planner_memory_bytes"] <= bound, (w, bound)
