@@ -349,7 +349,8 @@ class GraftStep:
                         est_table: torch.Tensor) -> torch.Tensor:
         """``float32[B]``: a lower bound of the round's selection threshold from the retrieved
         candidates alone (max over sources of their (N-1)-th best estimate; gate.py). +inf when draft
-        nodes are disabled (nothing to draft for)."""
+        nodes are disabled (nothing to draft for). Groups are the retrieval members, numbered from
+        the successor (the draft member has none)."""
         b = roots.shape[0]
         est, valid, group = [torch.zeros(b, 0, device=roots.device)], [torch.zeros(b, 0, dtype=torch.bool,
                                                                                       device=roots.device)], []
@@ -358,18 +359,19 @@ class GraftStep:
             _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(torch.full_like(e, MEMBER_SUCCESSOR, dtype=torch.int64))
+            group.append(torch.zeros_like(e, dtype=torch.int64))   # MEMBER_SUCCESSOR
         if self.config.retrieval.lookup:
             _, _, e, v, _, _ = self._lookup_part(hist, count, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(torch.full_like(e, MEMBER_LOOKUP, dtype=torch.int64))
+            group.append(torch.full_like(e, MEMBER_LOOKUP - MEMBER_SUCCESSOR, dtype=torch.int64))
         if host.width > 0:
             _, _, e, v, _, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(member.clamp(min=0))
-        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), NUM_MEMBERS, self.n - 1)
+            group.append((member - MEMBER_SUCCESSOR).clamp(min=0))
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), NUM_MEMBERS - MEMBER_SUCCESSOR,
+                         self.n - 1)
         if not self.config.draft_nodes:
             floor = torch.full_like(floor, math.inf)
         return floor

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Hashable, Iterable, Optional, Sequence
 
-__all__ = ["Proposal", "HostSource"]
+if TYPE_CHECKING:
+    from .trie import CountTrie
+
+__all__ = ["Proposal", "HostSource", "longest_match_proposal"]
 
 
 @dataclass
@@ -37,6 +40,23 @@ class Proposal:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+def longest_match_proposal(tries: Iterable["CountTrie"], tail: Sequence[int], max_match: int, budget: int,
+                           min_prob: float) -> Proposal:
+    """The longest suffix of ``tail`` (<= ``max_match`` tokens) found with a continuation in any of
+    ``tries`` (the first trie wins a tie), then that trie's best-first continuation of at most
+    ``budget`` nodes (`CountTrie.longest_match`, `CountTrie.expand`); empty when nothing matches.
+    Used by the sources over other text than the request's own (corpus, output index)."""
+    best, best_len, best_trie = None, 0, None
+    for trie in tries:
+        loc, length = trie.longest_match(tail, max_match)
+        if loc is not None and length > best_len:
+            best, best_len, best_trie = loc, length, trie
+    if best is None:
+        return Proposal()
+    toks, pars, probs = best_trie.expand(best, budget, min_prob)
+    return Proposal(toks, pars, probs, best_len)
 
 
 class HostSource(abc.ABC):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 from ..calibration import MEMBER_CORPUS
-from .base import HostSource, Proposal
+from .base import HostSource, Proposal, longest_match_proposal
 from .trie import CountTrie
 
 __all__ = ["CorpusIndex"]
@@ -139,8 +139,4 @@ class CorpusIndex(HostSource):
         tail = self._tails.get(req_id)
         if tail is None or budget <= 0 or self.num_tokens == 0:
             return Proposal()
-        loc, length = self.trie.longest_match(list(tail), self.max_match)
-        if loc is None:
-            return Proposal()
-        toks, pars, probs = self.trie.expand(loc, budget, self.min_prob)
-        return Proposal(toks, pars, probs, length)
+        return longest_match_proposal((self.trie,), list(tail), self.max_match, budget, self.min_prob)

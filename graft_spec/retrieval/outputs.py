@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 from ..calibration import MEMBER_OUTPUTS
-from .base import HostSource, Proposal
+from .base import HostSource, Proposal, longest_match_proposal
 from .trie import CountTrie
 
 __all__ = ["OutputIndex"]
@@ -123,7 +123,7 @@ class OutputIndex(HostSource):
         live = self._live.pop(req_id, None)
         if live is None or not live.output:
             return
-        gen = self._group(live.group, create=True)
+        gen = self._group_to_insert(live.group)
         if max(gen.young_tokens, gen.young.num_nodes) >= self.max_nodes // 2:
             gen.old, gen.young, gen.young_tokens = gen.young, CountTrie(self.max_depth), 0
         gen.young.reset_stream()
@@ -132,14 +132,16 @@ class OutputIndex(HostSource):
         gen.young_tokens += len(live.prompt_tail) + len(live.output)
         self.inserted += len(live.output)
 
-    def _group(self, key: Hashable, create: bool) -> Optional[_Generations]:
+    def _group_to_insert(self, key: Hashable) -> _Generations:
+        """The group's generations, made most recently used (created, evicting the least recently
+        used group, when new)."""
         gen = self._groups.get(key)
         if gen is not None:
             self._groups.move_to_end(key)
-        elif create:
-            if len(self._groups) >= self.max_groups:
-                self._groups.popitem(last=False)
-            gen = self._groups[key] = _Generations(self.max_depth)
+            return gen
+        if len(self._groups) >= self.max_groups:
+            self._groups.popitem(last=False)
+        gen = self._groups[key] = _Generations(self.max_depth)
         return gen
 
     # ------------------------------------------------------------------ queries
@@ -149,10 +151,6 @@ class OutputIndex(HostSource):
     def index_bytes(self) -> int:
         """Bytes of the tries (shared, bounded by ``max_nodes`` per group, kept after requests stop)."""
         return sum(t.memory_bytes() for g in self._groups.values() for t in g.tries())
-
-    def index_nodes(self) -> int:
-        """Trie nodes held over all groups and generations."""
-        return sum(t.num_nodes for g in self._groups.values() for t in g.tries())
 
     def memory_bytes(self) -> int:
         """`index_bytes` plus the live requests' buffers (``4 * max_request_tokens + 72 * max_match
@@ -165,13 +163,4 @@ class OutputIndex(HostSource):
         gen = self._groups.get(live.group) if live is not None else None
         if gen is None or budget <= 0:
             return Proposal()
-        tail = list(live.tail)
-        best, best_len, best_trie = None, 0, None
-        for trie in gen.tries():
-            loc, length = trie.longest_match(tail, self.max_match)
-            if loc is not None and length > best_len:
-                best, best_len, best_trie = loc, length, trie
-        if best is None:
-            return Proposal()
-        toks, pars, probs = best_trie.expand(best, budget, self.min_prob)
-        return Proposal(toks, pars, probs, best_len)
+        return longest_match_proposal(gen.tries(), list(live.tail), self.max_match, budget, self.min_prob)

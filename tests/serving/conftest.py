@@ -64,13 +64,24 @@ def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = S
             + live_requests * (BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD))
 
 
-def outputs_index_bound(index) -> int:
-    """Upper bound of an `OutputIndex`'s ``index_bytes()`` from its caps: per group ``max_nodes``
-    nodes and tokens plus, in each of two generations, one insert of ``max_request_tokens +
-    max_match`` tokens with up to ``max_depth`` nodes each."""
-    insert = index.max_request_tokens + index.max_match
-    per_group = index.max_nodes + 2 * insert * index.max_depth
-    return BYTES_PER_SUFFIX_NODE * per_group * index.max_groups + 4096
+def outputs_index_bound(retrieval) -> int:
+    """Upper bound of the output index's ``index_bytes()`` from a ``RetrievalConfig``'s caps: per
+    isolation group ``outputs_max_nodes`` nodes and tokens plus, in each of two generations, one
+    insert of ``outputs_max_request_tokens + match_len`` tokens with up to ``suffix_max_depth`` nodes
+    each."""
+    r = retrieval
+    insert = min(r.outputs_max_request_tokens, r.outputs_max_nodes // 2) + r.match_len
+    per_group = r.outputs_max_nodes + 2 * insert * r.suffix_max_depth
+    groups = r.max_tenants if r.isolation == "tenant" else 1
+    return BYTES_PER_SUFFIX_NODE * per_group * groups + 4096
+
+
+def graft_retrieval_config():
+    """The graft server's ``RetrievalConfig`` (`graft_args`: configs/quick.yaml, the suffix cap)."""
+    from graft_spec.config import load_config
+
+    return load_config(ROOT / "configs" / "quick.yaml", {"retrieval.suffix_max_nodes": SUFFIX_MAX_NODES},
+                       env=False).retrieval
 
 
 def graft_args(draft: Path) -> List[str]:

@@ -196,7 +196,7 @@ def test_retrieval_memory_bounded_by_the_cap(max_nodes, kind, record_property):
     # only the output index's tries stay (what "a" wrote, bounded by outputs_max_nodes)
     outputs = planner.retriever.source("outputs")
     assert planner.memory_bytes() == succ + outputs.index_bytes() and planner.live_requests() == 0
-    assert outputs.index_bytes() <= outputs_index_bound(outputs)
+    assert outputs.index_bytes() <= outputs_index_bound(planner.config.retrieval)
 
 
 def test_many_requests_and_a_prompt_far_over_the_cap():
@@ -220,4 +220,4 @@ def test_many_requests_and_a_prompt_far_over_the_cap():
         planner.stop_request(i)
     outputs = planner.retriever.source("outputs")
     assert planner.memory_bytes() == succ + outputs.index_bytes() and planner.live_requests() == 0
-    assert outputs.index_bytes() <= outputs_index_bound(outputs)
+    assert outputs.index_bytes() <= outputs_index_bound(planner.config.retrieval)

@@ -27,8 +27,8 @@ import pytest
 
 from .client import (Reply, aserver_stats, generate, healthy, new_client, payload, run_bounded,
                      server_stats, stream_and_disconnect, wait_idle)
-from .conftest import (BYTES_PER_SUFFIX_NODE, CONTEXT_LENGTH, MAX_RUNNING, RESERVED, SUFFIX_MAX_NODES,
-                       load_prompts, retrieval_bound)
+from .conftest import (CONTEXT_LENGTH, MAX_RUNNING, RESERVED, SUFFIX_MAX_NODES, graft_retrieval_config,
+                       load_prompts, outputs_index_bound, retrieval_bound)
 
 pytestmark = [pytest.mark.server, pytest.mark.models]
 
@@ -207,7 +207,7 @@ def test_load_retrieval_memory_within_cap(load_run, record_property):
         assert w["suffix_max_nodes_per_request"] <= SUFFIX_MAX_NODES, w
         assert w["live_requests"] <= MAX_RUNNING, w
         index = w.get("outputs_index_bytes", 0)   # shared output index (when on), bounded on its own
-        assert index <= BYTES_PER_SUFFIX_NODE * (262_144 + 2 * (2048 + 16) * 64), w
+        assert index <= outputs_index_bound(graft_retrieval_config()), w
         bound = retrieval_bound(succ, w["planner_live_requests"], outputs_index_bytes=index)
         assert w["planner_memory_bytes"] <= bound, (w, bound)
         if worst is None or w["planner_memory_bytes"] > worst["planner_memory_bytes"]:
