@@ -53,6 +53,7 @@ class RequestStats:
     emitted: int = 0                 # tokens emitted by those rounds (sum of accept lengths)
     accepted: List[int] = field(default_factory=lambda: [0] * NUM_SOURCES)
     last_round: int = 0              # tracker round of the last touch (stale sweep)
+    req: object = field(default=None, repr=False)   # SGLang's Req (its final output_ids at finish)
 
     def summary(self) -> str:
         mean = self.emitted / self.rounds if self.rounds else 0.0
@@ -106,7 +107,7 @@ class GraftRequestTracker:
             elif st.seen < total:
                 self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
                 st.seen = total
-            st.last_round = self.round
+            st.last_round, st.req = self.round, req
             self.states.move_to_end(rid)
             rids.append(rid)
         self._sweep()
@@ -141,10 +142,19 @@ class GraftRequestTracker:
                 meta.extend(letters[: len(commit.token_ids)])
 
     def finish(self, rid: Hashable) -> None:
-        """Free a finished / aborted request (no-op for unknown ids); logs its summary."""
+        """Free a finished / aborted request (no-op for unknown ids); logs its summary.
+
+        The host sources first get the output tokens committed since the last `prepare` (the last
+        round's, two rounds' under the overlap scheduler): SGLang calls this after the request's
+        ``output_ids`` are final (``batch_result_processor.py:1442``), and the output index inserts
+        the request's output when it stops, so a later request sees the whole output.
+        """
         st = self.states.pop(rid, None)
         if st is None:
             return
+        outputs = getattr(st.req, "output_ids", None)
+        if outputs is not None and st.seen < st.prompt_len + len(outputs):
+            self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
         self.planner.stop_request(rid)
         self.finished_total += 1
         logger.info("graft request %s finished: %s live_requests=%d planner_live=%d",

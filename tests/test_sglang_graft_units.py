@@ -314,6 +314,23 @@ def test_tracker_lifecycle_meta_and_no_leak():
     assert tr.live() == 0 and planner.live_requests() == 0
 
 
+def test_tracker_hands_the_final_output_to_the_output_index_at_finish():
+    """Tokens committed after the last prepare (the last round; two under the overlap scheduler)
+    reach the output index before the request's output is inserted."""
+    from sglang_patch.graft_requests import GraftRequestTracker
+
+    planner = _planner(outputs=True)
+    tr = GraftRequestTracker(planner)
+    a = _req("a", [1, 2, 3], [4])
+    tr.prepare([a])
+    a.output_ids += [5, 6, 7, 8]                 # committed by the last rounds, never prepared
+    tr.finish("a")
+    b = _req("b", [50, 60, 1, 2, 3, 4, 5], [])
+    tr.prepare([b])
+    proposal = planner.retriever.source("outputs").propose("b", 8)
+    assert proposal.tokens[:3] == [6, 7, 8], proposal
+
+
 def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
     from sglang_patch.graft_requests import GraftRequestTracker
 
