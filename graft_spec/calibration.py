@@ -20,19 +20,12 @@ Each candidate carries a *calibration bin*: a small integer computed from its fe
 
 and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 4 x retrieval)`` bins in all
 (a few thousand floats). The estimate of a bin is the posterior mean
-``(hits + w * prior) / (trials + w)``, where the prior of the table is first corrected per source
-(empirical Bayes: its odds scaled by the source's observed over expected hits so far,
-`Calibrator.effective_prior`), so a bin never tried starts from what its source has shown. It is not forced to be monotone in the probability axis (a
+``(hits + w * prior) / (trials + w)``. It is not forced to be monotone in the probability axis (a
 cumulative max would let the prior of a bin never tried override the data of its neighbour); a bin
 whose prior is too high gets selected, tried and corrected, which is the exploration the online
-calibration needs. After every verify, each retrieval member of each verified non-root node
-adds one trial to its bin and one hit if the node lies on the accepted path (a node proposed by
-several retrieval sources credits every one of them); the draft member only for nodes no retrieval
-source proposed. A draft bin credited with every draft token a retrieved path also proposed learns
-the acceptance of those merged nodes - which the retrieval estimate prices anyway, the best member
-gives a node its key (`graft.merge_select`) - and overprices the draft-only nodes it then selects
-(measured on the quick pair with the output index: draft bins at 0.31 observed, 0.23 estimated,
-while 9 of 1,394 accepted tokens were draft-only). When a bin reaches ``halve_at`` trials its
+calibration needs. After every verify, each member of each verified
+non-root node adds one trial to its bin and one hit if the node lies on the accepted path (a node
+proposed by several sources credits every one of them). When a bin reaches ``halve_at`` trials its
 counts are halved, so the estimate tracks drift with a memory of a few thousand trials.
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
@@ -50,8 +43,7 @@ __all__ = [
     "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
     "NUM_MEMBERS",
     "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
-    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "SOURCE_RATIO_PSEUDO", "SOURCE_RATIO_RANGE", "BinLayout",
-    "Calibrator",
+    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator",
 ]
 
 MEMBER_DRAFT = 0      #: proposed by the draft model
@@ -76,10 +68,6 @@ _RETRIEVAL_DECAY = 0.85
 CHAIN_DECAY = 0.95
 #: Middle depth of each depth bin (for the chained prior's decay over the bin's width).
 _DEPTH_MID = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)
-#: Pseudo-hits of a source's prior correction (`Calibrator.estimates`): its ratio starts at 1.
-SOURCE_RATIO_PSEUDO = 4.0
-#: Bounds of a source's prior correction ratio.
-SOURCE_RATIO_RANGE = (0.125, 8.0)
 
 
 def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
@@ -173,7 +161,6 @@ class Calibrator:
         self._retr_idx = (first[:, :, None, None] + torch.arange(layout.num_depth, device=self.device)[:, None] * per
                           + torch.arange(per, device=self.device)).contiguous()
         self._chain_decay = [CHAIN_DECAY ** (b - a) for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:])]
-        self._source_of_bin = self._prior_sources()
         n = layout.size + 1
         self.hits = torch.zeros(n, device=self.device)
         self.trials = torch.zeros(n, device=self.device)
@@ -233,47 +220,9 @@ class Calibrator:
         mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_MEMBERS)])
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
-    def _prior_sources(self) -> torch.Tensor:
-        """``int64[size + 1]``: the (mode, member) group ``mode * NUM_MEMBERS + member`` of every bin
-        whose prior is a fixed prior (draft, successor, the shallowest depth bin of a retrieval
-        member), ``2 * NUM_MEMBERS`` for the chained retrieval bins and the dump bin."""
-        lay, sink = self.layout, 2 * NUM_MEMBERS
-        src = torch.full((lay.size + 1,), sink, dtype=torch.int64)
-        sizes = {MEMBER_DRAFT: lay.draft_bins, MEMBER_SUCCESSOR: lay.template_size,
-                 **{m: lay.num_q * lay.num_match for m in RETRIEVAL_MEMBERS}}   # depth bin 0 only
-        for mode in (0, 1):
-            for m, n in sizes.items():
-                first = mode * lay.per_mode + lay.offset(m)
-                src[first: first + n] = mode * NUM_MEMBERS + m
-        return src.to(self.device)
-
-    def source_ratios(self) -> torch.Tensor:
-        """``float32[2 * NUM_MEMBERS + 1]``: per (mode, member) source the observed over the prior's
-        expected hits of its fixed-prior bins, ``(hits + a) / (sum trials * prior + a)`` with ``a =
-        SOURCE_RATIO_PSEUDO``, clamped to `SOURCE_RATIO_RANGE` (last entry: unused sink)."""
-        g = 2 * NUM_MEMBERS + 1
-        hits = torch.zeros(g, device=self.device).index_add_(0, self._source_of_bin, self.hits)
-        expected = torch.zeros(g, device=self.device).index_add_(0, self._source_of_bin, self.trials * self.prior)
-        return ((hits + SOURCE_RATIO_PSEUDO) / (expected + SOURCE_RATIO_PSEUDO)).clamp(*SOURCE_RATIO_RANGE)
-
-    def effective_prior(self) -> torch.Tensor:
-        """``float32[size + 1]``: each fixed prior with its source's odds scaled by `source_ratios`,
-        ``p r / (1 - p + p r)`` (the chained retrieval bins keep their table prior, unused).
-
-        Empirical-Bayes shrinkage across a source's bins: a bin never tried starts from what the
-        source's other bins have shown (e.g. a draft head under-confident by 1.4x on this target)
-        instead of the raw prior, so a source's estimates settle in the first few dozen verify
-        rounds rather than one bin at a time (measured: a draft estimated 0.21 vs observed 0.30
-        over a 24-request run while the retrieval sources filled most of the tree)."""
-        p = self.prior.clamp(1e-6, 1.0 - 1e-6)
-        r = self.source_ratios()[self._source_of_bin]
-        scaled = p * r / (1.0 - p + p * r)
-        return torch.where(self._source_of_bin < 2 * NUM_MEMBERS, scaled, self.prior)
-
     def estimates(self) -> torch.Tensor:
         """``float32[size + 1]``: posterior means ``(hits + w * prior) / (trials + w)``; the dump bin
-        is 0. Computed once per round (a fixed ~50 small ops on the table). ``prior`` is the
-        `effective_prior`: the table prior corrected by its source's observed / expected hits.
+        is 0. Computed once per round (a fixed ~40 small ops on the table).
 
         Retrieval bins (suffix, corpus, lookup, outputs) chain their prior along depth: the prior of depth bin
         d is the *estimate* of bin d-1 (same member, mode, probability and match bins) times
@@ -284,7 +233,7 @@ class Calibrator:
         tau 13.7 where retrieval-only reached 18.0). Chained, each deeper bin starts just below its
         tried neighbour, gets selected when its neighbour is good, and is corrected by its own trials.
         """
-        est = (self.hits + self.w * self.effective_prior()) / (self.trials + self.w)
+        est = (self.hits + self.w * self.prior) / (self.trials + self.w)
         h, t = self.hits[self._retr_idx], self.trials[self._retr_idx]            # [2, R, D, Q*M]
         prev = est[self._retr_idx[:, :, 0]]
         chained = [prev]
@@ -301,8 +250,7 @@ class Calibrator:
 
         Args:
             bins: ``int64[B, N, NUM_MEMBERS]`` bin of each member of each tree node, -1 where that
-                source did not propose the node (and for the root and padding). The draft member is
-                credited only for nodes no retrieval source proposed.
+                source did not propose the node (and for the root and padding).
             on_path: ``bool[B, N]`` nodes on the accepted path.
             depth: ``int64[B, N]`` node depths.
             estimates: the `estimates` table the round was built with.
@@ -312,10 +260,7 @@ class Calibrator:
             ``float64[max_depth + 1, 2]`` (verified, accepted nodes per depth; row 0 unused).
         """
         dump = self.layout.size
-        proposed = bins >= 0
-        merged = proposed[:, :, MEMBER_DRAFT + 1:].any(dim=2, keepdim=True)   # a retrieval source proposed it
-        draft_only = torch.arange(NUM_MEMBERS, device=bins.device) != MEMBER_DRAFT
-        valid = proposed & (draft_only | ~merged)
+        valid = bins >= 0
         flat = torch.where(valid, bins, dump).reshape(-1)
         hit = (on_path[:, :, None] & valid).reshape(-1).float()
         self.trials.index_add_(0, flat, valid.reshape(-1).float())
@@ -330,7 +275,7 @@ class Calibrator:
         v = valid.double()
         h = hit.view_as(bins).double()
         members = torch.stack([v.sum((0, 1)), (est * v).sum((0, 1)), h.sum((0, 1))], dim=1)
-        node = proposed.any(dim=2)
+        node = valid.any(dim=2)
         d = torch.where(node, depth.clamp(0, self.max_depth), 0).reshape(-1)
         depths = torch.zeros_like(self.depth_stats).index_add_(
             0, d, torch.stack([node.reshape(-1).double(), (node & on_path).reshape(-1).double()], dim=1))

@@ -197,60 +197,6 @@ def test_calibration_settles_on_observed_rates():
     assert cal.estimates()[lower] <= cal.estimates()[bin1]
 
 
-def test_calibration_carries_a_sources_correction_to_bins_never_tried():
-    """A draft head that is under-confident in the bins tried (accepted 0.6 where its prior says
-    ~0.2) raises the estimate of an untried draft bin toward the same correction, and leaves the
-    priors of other sources and of the other mode alone."""
-    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=3, retrieval={"suffix": False})
-    cal = GraftPlanner(cfg, 50).calibrator
-    greedy, sampled = torch.zeros(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool)
-    tried = int(cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-1.6]]), greedy))
-    untried = int(cal.draft_bins(torch.full((1, 1), 3), torch.tensor([[-2.5]]), greedy))
-    other_mode = int(cal.draft_bins(torch.full((1, 1), 3), torch.tensor([[-2.5]]), sampled))
-    successor = int(cal.successor_bins(1, greedy)[0, 0])
-    before = cal.estimates()
-    prior_tried = before[tried].item()
-    assert 0.1 < prior_tried < 0.3
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        est = cal.estimates()
-        bins = torch.full((4, 2, NUM_MEMBERS), -1)
-        bins[:, 1, 0] = tried
-        on_path = torch.stack([torch.ones(4, dtype=torch.bool), torch.rand(4, generator=gen) < 0.6], dim=1)
-        cal.update(bins, on_path, torch.ones(4, 2, dtype=torch.int64), est)
-    after = cal.estimates()
-    ratio = cal.source_ratios()[0].item()
-    assert 2.0 < ratio < 4.0, ratio
-    p = before[untried].item()
-    assert after[untried].item() == pytest.approx(p * ratio / (1 - p + p * ratio), rel=1e-4)
-    assert after[untried] > 1.8 * before[untried]
-    assert after[other_mode] == before[other_mode] and after[successor] == before[successor]
-
-
-def test_calibration_credits_draft_bins_on_draft_only_nodes():
-    """A node the draft and a retrieval source both proposed credits the retrieval bin only; a
-    draft-only node credits its draft bin."""
-    from graft_spec.calibration import MEMBER_LOOKUP
-
-    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=3, retrieval={"suffix": False})
-    cal = GraftPlanner(cfg, 50).calibrator
-    greedy = torch.zeros(1, dtype=torch.bool)
-    one = torch.ones(1, 1, dtype=torch.int64)
-    draft = int(cal.draft_bins(one, torch.tensor([[-5.0]]), greedy))
-    lookup = int(cal.retrieval_bins(torch.full((1, 1), MEMBER_LOOKUP), one, torch.zeros(1, 1), torch.full((1, 1), 8),
-                                    greedy))
-    est = cal.estimates()
-    bins = torch.full((1, 3, NUM_MEMBERS), -1)
-    bins[0, 1, 0], bins[0, 1, MEMBER_LOOKUP] = draft, lookup      # merged node, on the path
-    bins[0, 2, 0] = draft                                         # draft-only node, rejected
-    on_path = torch.tensor([[True, True, False]])
-    members, _ = cal.update(bins, on_path, torch.tensor([[0, 1, 1]]), est)
-    assert cal.trials[lookup].item() == 1 and cal.hits[lookup].item() == 1
-    assert cal.trials[draft].item() == 1 and cal.hits[draft].item() == 0
-    assert members[0, 0].item() == 1 and members[0, 2].item() == 0           # draft: 1 trial, 0 hits
-    assert members[MEMBER_LOOKUP, 0].item() == 1 and members[MEMBER_LOOKUP, 2].item() == 1
-
-
 def test_observe_updates_device_state_and_reports_path_sources():
     cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, retrieval={"suffix": False, "max_candidates": 4})
     planner = GraftPlanner(cfg, 50, max_slots=4)
