@@ -104,9 +104,8 @@ class GraftRequestTracker:
                 self.planner.start_request(rid, prompt, tenant=tenant_of(req))
                 self.planner.extend(rid, outputs)
                 st.prompt_len, st.seen = len(prompt), total
-            elif st.seen < total:
-                self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
-                st.seen = total
+            else:
+                self._catch_up(rid, st, outputs)
             st.last_round, st.req = self.round, req
             self.states.move_to_end(rid)
             rids.append(rid)
@@ -153,12 +152,19 @@ class GraftRequestTracker:
         if st is None:
             return
         outputs = getattr(st.req, "output_ids", None)
-        if outputs is not None and st.seen < st.prompt_len + len(outputs):
-            self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
+        if outputs is not None:
+            self._catch_up(rid, st, outputs)
         self.planner.stop_request(rid)
         self.finished_total += 1
         logger.info("graft request %s finished: %s live_requests=%d planner_live=%d",
                     rid, st.summary(), self.live(), self.planner.live_requests())
+
+    def _catch_up(self, rid: Hashable, st: RequestStats, outputs: Sequence[int]) -> None:
+        """Hand the host sources the output tokens committed since they last saw the request."""
+        total = st.prompt_len + len(outputs)
+        if st.seen < total:
+            self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
+            st.seen = total
 
     def _sweep(self) -> None:
         while self.states:

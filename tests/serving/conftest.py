@@ -50,9 +50,6 @@ BYTES_PER_SUFFIX_NODE = 210
 #: Fixed per-request overhead, the output index's buffer of a live request included (int32 tokens,
 #: at most ``retrieval.outputs_max_request_tokens`` = 2048, plus its two context tails).
 PER_REQUEST_OVERHEAD = 4096 + 4 * 2048 + 2048
-#: The output index (shared, kept after requests stop) is a trie like the suffix index: at most
-#: ``retrieval.outputs_max_nodes`` nodes and tokens per isolation group plus the last insert of each
-#: of its two generations, at ``BYTES_PER_SUFFIX_NODE`` each.
 
 
 def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = SUFFIX_MAX_NODES,
@@ -65,7 +62,8 @@ def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = S
 
 
 def outputs_index_bound(retrieval) -> int:
-    """Upper bound of the output index's ``index_bytes()`` from a ``RetrievalConfig``'s caps: per
+    """Upper bound of the output index's ``index_bytes()`` (shared, kept after requests stop; a trie
+    like the suffix index, at ``BYTES_PER_SUFFIX_NODE`` per node) from a ``RetrievalConfig``'s caps: per
     isolation group ``outputs_max_nodes`` nodes and tokens plus, in each of two generations, one
     insert of ``outputs_max_request_tokens + match_len`` tokens with up to ``suffix_max_depth`` nodes
     each."""
