@@ -17,15 +17,25 @@ Each candidate carries a *calibration bin*: a small integer computed from its fe
 | successor | template slot (= its rank path and depth) | product of rank priors |
 | suffix, corpus, outputs | depth, count-ratio path probability p, match length | p x 0.85**depth |
 | lookup | depth, match length (p = 1) | 0.85**depth |
+| agree | node depth, cumulative draft probability q | q**0.5 |
 
-and a mode axis (greedy / sampled rows), so ``2 x (draft + successor + 4 x retrieval)`` bins in all
+and a mode axis (greedy / sampled rows), so ``2 x (2 x draft + successor + 4 x retrieval)`` bins in all
 (a few thousand floats). The estimate of a bin is the posterior mean
 ``(hits + w * prior) / (trials + w)``. It is not forced to be monotone in the probability axis (a
 cumulative max would let the prior of a bin never tried override the data of its neighbour); a bin
 whose prior is too high gets selected, tried and corrected, which is the exploration the online
 calibration needs. After every verify, each member of each verified
 non-root node adds one trial to its bin and one hit if the node lies on the accepted path (a node
-proposed by several sources credits every one of them). When a bin reaches ``halve_at`` trials its
+proposed by several retrieval sources credits every one of them).
+
+A node the draft *and* a retrieval source proposed (an agreement node) is its own member,
+``agree``: its bins are the draft bins' axes (depth, draft probability), it is priced by its own
+estimate (`graft.merge_select`) and credited instead of the draft bin. The draft bins then learn
+the acceptance of draft-only nodes, which is what they price when the draft proposes alone; before,
+they learnt a mix of both (with the output index on: 0.31 observed vs 0.23 estimated on the quick
+pair, while 9 of 1,394 accepted tokens were draft-only), and pricing agreement by the larger of the
+two single-source estimates instead underprices it (measured: greedy code tau -4 to -6%,
+docs/bench/issue12_quick_draft_only_credit.json). When a bin reaches ``halve_at`` trials its
 counts are halved, so the estimate tracks drift with a memory of a few thousand trials.
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
@@ -41,7 +51,7 @@ import torch
 
 __all__ = [
     "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
-    "NUM_MEMBERS",
+    "MEMBER_AGREE", "NUM_MEMBERS",
     "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
     "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator",
 ]
@@ -52,8 +62,9 @@ MEMBER_SUFFIX = 2     #: per-request suffix index
 MEMBER_CORPUS = 3     #: shared corpus
 MEMBER_LOOKUP = 4     #: prompt lookup in the slot's device history
 MEMBER_OUTPUTS = 5    #: earlier requests' outputs (cross-request index)
-NUM_MEMBERS = 6
-MEMBER_NAMES = ("draft", "successor", "suffix", "corpus", "lookup", "outputs")
+MEMBER_AGREE = 6      #: proposed by the draft and by at least one retrieval source (set by merge_select)
+NUM_MEMBERS = 7
+MEMBER_NAMES = ("draft", "successor", "suffix", "corpus", "lookup", "outputs", "agree")
 #: The members priced by `Calibrator.retrieval_bins` (depth, path probability, match length).
 RETRIEVAL_MEMBERS = (MEMBER_SUFFIX, MEMBER_CORPUS, MEMBER_LOOKUP, MEMBER_OUTPUTS)
 
@@ -76,7 +87,8 @@ def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BinLayout:
-    """Offsets of the calibration bins (per mode: draft, successor, then one block per retrieval member).
+    """Offsets of the calibration bins (per mode: draft, successor, one block per retrieval member,
+    then the agreement block, laid out as the draft block).
 
     Args:
         draft_depth: deepest draft node depth (the draft steps).
@@ -108,7 +120,7 @@ class BinLayout:
 
     @property
     def per_mode(self) -> int:
-        return self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
+        return 2 * self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
 
     @property
     def size(self) -> int:
@@ -121,6 +133,8 @@ class BinLayout:
             return 0
         if member == MEMBER_SUCCESSOR:
             return self.draft_bins
+        if member == MEMBER_AGREE:
+            return self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
         return self.draft_bins + self.template_size + RETRIEVAL_MEMBERS.index(member) * self.retrieval_bins
 
 
@@ -152,7 +166,7 @@ class Calibrator:
         self.depth_edges = torch.tensor(DEPTH_EDGES, device=self.device)
         self.match_edges = torch.tensor(MATCH_EDGES, device=self.device)
         self.prior = self._prior(successor_prior.to(self.device)).contiguous()
-        self._retrieval_base = torch.tensor([layout.offset(m) if m >= MEMBER_SUFFIX else 0
+        self._retrieval_base = torch.tensor([layout.offset(m) if m in RETRIEVAL_MEMBERS else 0
                                              for m in range(NUM_MEMBERS)], device=self.device)
         # [2 modes, retrieval members, depth bins, q bins * match bins] indices of the retrieval bins
         per = layout.num_q * layout.num_match
@@ -161,6 +175,9 @@ class Calibrator:
         self._retr_idx = (first[:, :, None, None] + torch.arange(layout.num_depth, device=self.device)[:, None] * per
                           + torch.arange(per, device=self.device)).contiguous()
         self._chain_decay = [CHAIN_DECAY ** (b - a) for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:])]
+        agree = layout.offset(MEMBER_AGREE)
+        self._agree_idx = torch.stack([mode * layout.per_mode + agree + torch.arange(layout.draft_bins, device=self.device)
+                                       for mode in (0, 1)])                       # [2 modes, agreement bins]
         n = layout.size + 1
         self.hits = torch.zeros(n, device=self.device)
         self.trials = torch.zeros(n, device=self.device)
@@ -203,7 +220,7 @@ class Calibrator:
         lay = self.layout
         within = ((self.depth_bin(depth) * lay.num_q + self.q_bin(logp)) * lay.num_match
                   + self.match_bin(match))
-        base = self._retrieval_base[member.clamp(MEMBER_SUFFIX, NUM_MEMBERS - 1)]
+        base = self._retrieval_base[member.clamp(MEMBER_SUFFIX, MEMBER_OUTPUTS)]
         return base + within + self._mode_base(sampled)[:, None]
 
     # ------------------------------------------------------------------ priors / estimates
@@ -217,7 +234,7 @@ class Calibrator:
                 ).expand(lay.num_depth, lay.num_q, lay.num_match).reshape(-1)
         succ = torch.zeros(lay.template_size, device=self.device)
         succ[: successor_prior.numel()] = successor_prior.float()[: lay.template_size]
-        mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_MEMBERS)])
+        mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_MEMBERS), draft.sqrt()])
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
     def estimates(self) -> torch.Tensor:
@@ -232,8 +249,20 @@ class Calibrator:
         draft node, it is never selected, never tried and never corrected (measured: graft stopped at
         tau 13.7 where retrieval-only reached 18.0). Chained, each deeper bin starts just below its
         tried neighbour, gets selected when its neighbour is good, and is corrected by its own trials.
+
+        Agreement bins (a draft node a retrieval source also proposed) scale their prior by their
+        block's observed over expected hits so far (per mode, ``(hits + 1) / (sum trials * prior +
+        1)``): they are sparse (depth x draft probability) and their ``sqrt(q)`` prior is far below
+        what agreement is worth, so a bin seen a few times would lag its rate (measured on the quick
+        pair's server test: 0.342 estimated vs 0.400 observed over 1,325 trials without the scaling).
         """
         est = (self.hits + self.w * self.prior) / (self.trials + self.w)
+        # agreement bins: the prior scaled by the block's observed / expected hits (per mode)
+        ai = self._agree_idx
+        ah, at, ap = self.hits[ai], self.trials[ai], self.prior[ai]
+        ratio = (ah.sum(1, keepdim=True) + 1.0) / ((at * ap).sum(1, keepdim=True) + 1.0)
+        est = est.index_copy(0, ai.reshape(-1),
+                             ((ah + self.w * (ap * ratio).clamp(max=0.99)) / (at + self.w)).reshape(-1))
         h, t = self.hits[self._retr_idx], self.trials[self._retr_idx]            # [2, R, D, Q*M]
         prev = est[self._retr_idx[:, :, 0]]
         chained = [prev]

@@ -102,12 +102,14 @@ class RetrievalConfig(BaseModel):
     caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
     ``max_candidates`` slots per request in the host candidate buffer.
 
-    Outputs (host, off by default; docs/benchmark.md): the output index holds what earlier requests
+    Outputs (device, off by default; docs/benchmark.md): the output index holds what earlier requests
     generated (their prompt's last ``match_len`` tokens and their output, inserted when they stop;
-    SuffixDecoding's global tree), at most ``outputs_max_nodes`` trie nodes of the newest outputs per
-    isolation group, each request adding its first ``outputs_max_request_tokens`` (4 bytes each while
-    it lives; retrieval/outputs.py);
-    live requests match their context tail against it like the corpus.
+    SuffixDecoding's global tree) in a device ring of the newest ``outputs_max_tokens`` tokens with
+    m-gram hash tables (``8 * (2 + 2 K)`` bytes a token of ring, K = 8 match lengths at the default
+    ``match_len`` 16: 37.7 MB at the default size, fixed at start-up), each
+    request adding its first ``outputs_max_request_tokens``; live requests match the context the
+    device holds against it inside the graft step, so the overlap scheduler's host lag does not
+    reach it (retrieval/output_ring.py).
 
     Isolation: the successor table and the output index are the retrieval state learnt across
     requests (the suffix index and lookup are per request; the corpus is static). With
@@ -147,8 +149,8 @@ class RetrievalConfig(BaseModel):
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
 
     outputs: bool = False
-    outputs_max_nodes: int = Field(default=262_144, ge=1024, le=1 << 30,
-                                   description="trie nodes (and tokens) of the newest outputs per isolation group")
+    outputs_max_tokens: int = Field(default=262_144, ge=1024, le=1 << 28,
+                                    description="tokens of the newest outputs the output index holds (all groups)")
     outputs_max_request_tokens: int = Field(default=2048, ge=16, le=1 << 20,
                                             description="output tokens one request adds to the output index (its first)")
 
@@ -220,12 +222,20 @@ class CalibrationConfig(BaseModel):
     Fields:
         prior_weight: pseudo-trials of each bin's prior (> 0); small = the data takes over fast.
         halve_at: a bin's counts are halved once its trials exceed this (memory for drift).
+        agreement: price and credit a draft node a retrieval source also proposed in agreement bins
+            of its own instead of the draft bins (calibration.py); None = on exactly when
+            ``retrieval.outputs`` is. With the output index the retrieved paths cover most draft
+            nodes and the draft bins otherwise learn their acceptance (quick pair server test:
+            draft 0.21 estimated / 0.30 observed, 0.04 / 0.05 with agreement bins; tau 11.05 -> 11.21).
+            Without it, measured with the issue-12 command (docs/benchmark.md), tau moved -6% to +5%
+            per cell (shipped pair mean -0.8%, N 24 code sampled 3.55 -> 3.34), so it is not on there.
     """
 
     model_config = _STRICT
 
     prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
     halve_at: float = Field(default=4096.0, ge=16.0)
+    agreement: Optional[bool] = None
 
 
 class BatchBudgetConfig(BaseModel):
@@ -318,6 +328,13 @@ class GraftConfig(BaseModel):
         if not self.batch_budget.enabled:
             return (n,)
         return self.batch_budget.widths or tuple(sorted({1, max(2, -(-n // 2)), n}))
+
+    @property
+    def agreement_bins(self) -> bool:
+        """Whether agreement nodes get their own calibration bins (``calibration.agreement``; None =
+        with the output index)."""
+        a = self.calibration.agreement
+        return self.retrieval.outputs if a is None else a
 
     # ------------------------------------------------------------------ loaders
     @classmethod

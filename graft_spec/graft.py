@@ -13,8 +13,10 @@ then the successor template, then the host proposals), batched, with fixed itera
    distinct siblings, so verification stays lossless; only efficiency would suffer.
 2. **Priority.** A merged group takes its members' best key (and, for reporting, the source and
    estimate of that member); every member's calibration bin is kept per member source, so each
-   source that proposed a verified node is credited (calibration.py). Keys are made non-increasing
-   along paths (`path_min`).
+   source that proposed a verified node is credited (calibration.py). A group with a draft member
+   and a retrieval member is an *agreement* node: with ``agreement`` given, its estimate and key are
+   raised to its agreement bin's estimate (the draft bin's axes, member ``agree``), which is
+   credited instead of the draft bin. Keys are made non-increasing along paths (`path_min`).
 3. **Fill.** Keep the N - 1 best non-root nodes (ties: lower index). With keys = estimated path
    acceptance this maximises the expected accepted length (calibration.py); monotone keys plus the
    index tie-break keep the selection ancestor-closed.
@@ -34,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .calibration import MEMBER_DRAFT, NUM_MEMBERS
+from .calibration import MEMBER_AGREE, MEMBER_DRAFT, NUM_MEMBERS, RETRIEVAL_MEMBERS, MEMBER_SUCCESSOR
 from .config import GraftPolicy
 from .tree import (IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, pointer_rounds,
                    order_key, path_min, sentinel_parents, top_mask)
@@ -151,7 +153,8 @@ def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, li
 def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
                  valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
                  policy: Optional[GraftPolicy] = None, gain_nodes: Optional[int] = None,
-                 sampled: Optional[torch.Tensor] = None) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
+                 sampled: Optional[torch.Tensor] = None,
+                 agreement: Optional[tuple[int, torch.Tensor]] = None) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """Build the hybrid tree from a stacked candidate list (see module docstring).
 
     Args:
@@ -171,6 +174,10 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
             every width up to ``gain_nodes`` from the same candidates (the batch budget, budget.py).
         sampled: ``bool[B]`` rows verified by sampling (None: all greedy); with
             ``policy.exclusive_siblings == "greedy"`` only the other rows get `sibling_caps`.
+        agreement: ``(offset, estimates)``: the agreement bin of a node is its draft bin + ``offset``
+            (``BinLayout.offset(MEMBER_AGREE)``), priced from the ``float32`` table ``estimates``
+            (`Calibrator.estimates`); None: agreement nodes are priced by their best member and
+            credit the draft bin (calibration.py).
     Returns:
         ``(tree, member_bins, gain)``: ``gain`` ``float32[B, gain_nodes - 1]``, ``gain[:, k]`` = sum
         of the estimates of the k + 1 best non-root nodes (the selection order; every prefix of it is
@@ -211,6 +218,18 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     slot = canon * NUM_MEMBERS + member.clamp(0, NUM_MEMBERS - 1)
     mb = torch.full((b, u * NUM_MEMBERS), -1, dtype=torch.int64, device=dev).scatter_reduce(
         1, slot, torch.where(valid & (bins >= 0), bins, -1), reduce="amax", include_self=True)
+    if agreement is not None:   # draft + retrieval on one node: its own bin, credited instead of the draft's
+        offset, table = agreement
+        mb = mb.view(b, u, NUM_MEMBERS)
+        drafted = mb[:, :, MEMBER_DRAFT]
+        retrieved = (mb[:, :, MEMBER_SUCCESSOR:max(RETRIEVAL_MEMBERS) + 1] >= 0).any(dim=2)
+        agree = (drafted >= 0) & retrieved
+        agree_bin = torch.where(agree, drafted + offset, -1)
+        agree_est = torch.where(agree, table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
+        gest = torch.where(agree, torch.maximum(gest, agree_est), gest)
+        gkey = torch.where(agree & (gkey < math.inf), torch.maximum(gkey, agree_est), gkey)
+        mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, 1:MEMBER_AGREE].unbind(2), agree_bin], dim=2)
+        mb = mb.reshape(b, u * NUM_MEMBERS)
 
     unique = valid & (canon == ar)
     cpar = canon.gather(1, parents.clamp(min=0))

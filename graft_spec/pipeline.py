@@ -30,6 +30,7 @@ from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
 from .retrieval.buffer import HostCandidateBuffer, HostCandidates
 from .retrieval.corpus import CorpusIndex
+from .retrieval.output_ring import OutputRing
 from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
@@ -157,15 +158,20 @@ class GraftPlanner:
         self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, config.calibration.prior_weight,
                                      config.calibration.halve_at, max_depth=max(n, 64), device=self.device)
         self.retriever = Retriever.from_config(config, corpus)
+        #: earlier requests' outputs, on the device (retrieval/output_ring.py), or None
+        self.outputs = (OutputRing(r.outputs_max_tokens, r.match_len, n - 1, r.outputs_max_request_tokens, self.device)
+                        if r.outputs and r.isolation != "request" else None)
         width = r.max_candidates if self.retriever.sources else 0
         self.buffer = HostCandidateBuffer(max_batch, width, self.device)
         self.history = TokenHistory(max_slots, r.history_len, self.device)
-        self.step = GraftStep(config, self.calibrator, self.successor, self.device)
+        self.step = self._new_step(n)
         #: the step of every verify width >= 2 of the batch budget (the full width is `step`)
-        self.steps = {w: (self.step if w == n else GraftStep(config, self.calibrator, self.successor, self.device, w))
-                      for w in config.verify_widths if w >= 2}
+        self.steps = {w: (self.step if w == n else self._new_step(w)) for w in config.verify_widths if w >= 2}
         self._seen: dict[Hashable, int] = {}
         self._group: dict[Hashable, int] = {}
+
+    def _new_step(self, width: int) -> GraftStep:
+        return GraftStep(self.config, self.calibrator, self.successor, self.device, width, self.outputs)
 
     # ------------------------------------------------------------------ host lifecycle
     def assign_group(self, req_id: Hashable, tenant: Optional[Hashable] = None) -> int:
@@ -181,6 +187,8 @@ class GraftPlanner:
             g, fresh = self.groups.get(req_id if mode == "request" else ("tenant", tenant))
         if fresh and self.successor is not None:
             self.successor.reset_group(g)
+        if fresh and self.outputs is not None:
+            self.outputs.forget_group(g)
         self._group[req_id] = g
         return g
 
@@ -194,15 +202,23 @@ class GraftPlanner:
         self.assign_group(req_id, tenant)
         self._seen[req_id] = len(ids)
         self.retriever.start(req_id, ids, tenant)
+        if self.outputs is not None:
+            self.outputs.start(req_id, ids, self._group[req_id])
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Tokens ``req_id`` committed since the last call (host view), in order."""
         if req_id in self._seen:
             self._seen[req_id] += len(new_tokens)
-            self.retriever.extend(req_id, [int(t) for t in new_tokens])
+            toks = [int(t) for t in new_tokens]
+            self.retriever.extend(req_id, toks)
+            if self.outputs is not None:
+                self.outputs.extend(req_id, toks)
 
     def stop_request(self, req_id: Hashable) -> None:
-        """Free all per-request state (finished or aborted request)."""
+        """Free all per-request state (finished or aborted request); a request with output goes into
+        the output index (`OutputRing.stop`) first."""
+        if self.outputs is not None:
+            self.outputs.stop(req_id)
         self._seen.pop(req_id, None)
         self._group.pop(req_id, None)
         if self.config.retrieval.isolation == "request":
@@ -219,11 +235,13 @@ class GraftPlanner:
 
     def live_requests(self) -> int:
         """Requests with state in the planner or any source."""
-        return max(len(self._seen), self.retriever.live_requests())
+        return max(len(self._seen), self.retriever.live_requests(),
+                   self.outputs.live_requests() if self.outputs is not None else 0)
 
     def memory_bytes(self) -> int:
         """Approximate bytes held by the retrieval sources (host) and the successor table (device)."""
-        return self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)
+        return (self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)
+                + (self.outputs.memory_bytes() if self.outputs is not None else 0))
 
     # ------------------------------------------------------------------ per round
     def host_candidates(self, req_ids: Sequence[Hashable], speculate: Optional[Sequence[bool]] = None
@@ -259,8 +277,7 @@ class GraftPlanner:
         """
         step = self.step if num_nodes is None else self.steps.get(num_nodes)
         if step is None:
-            step = self.steps[num_nodes] = GraftStep(self.config, self.calibrator, self.successor, self.device,
-                                                     num_nodes)
+            step = self.steps[num_nodes] = self._new_step(num_nodes)
         hist, count = self.history.gather(slot_ids)
         return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates())
 

@@ -33,13 +33,14 @@ from typing import Optional
 
 import torch
 
-from .calibration import MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
+from .calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .prune import PruneStages, prune
 from .retrieval.buffer import HostCandidates
 from .retrieval.lookup import lookup_propose
+from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, sibling_links,
                    top_mask)
@@ -257,8 +258,9 @@ class GraftStep:
     """
 
     def __init__(self, config: GraftConfig, calibrator: Calibrator, successor: Optional[SuccessorTable],
-                 device: torch.device | str = "cpu", num_nodes: Optional[int] = None):
-        self.config, self.calibrator, self.successor = config, calibrator, successor
+                 device: torch.device | str = "cpu", num_nodes: Optional[int] = None,
+                 outputs: Optional[OutputRing] = None):
+        self.config, self.calibrator, self.successor, self.outputs = config, calibrator, successor, outputs
         self.pool = config.num_draft_tokens
         self.n = num_nodes or self.pool
         if not 2 <= self.n <= self.pool:
@@ -325,17 +327,29 @@ class GraftStep:
         parents = succ.t_parent.expand(b, t)
         return tokens, parents, est, valid, torch.where(valid, bins, -1)
 
-    def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
-        b = hist.shape[0]
-        d = self.pool - 1
-        tokens, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, d)
-        member = torch.full_like(tokens, MEMBER_LOOKUP)
-        depth = torch.arange(1, d + 1, device=hist.device).expand(b, d)
-        bins = self.calibrator.retrieval_bins(member, depth, torch.zeros(b, d, device=hist.device),
-                                              match[:, None].expand(b, d), sampled)
+    def _chain_part(self, tokens: torch.Tensor, valid: torch.Tensor, match: torch.Tensor, member: int,
+                    sampled: torch.Tensor, est_table: torch.Tensor):
+        """Candidates of C device chains ``tokens``/``valid`` ``[B, C, D]`` (node t of a chain at depth
+        t + 1) matched on ``match`` ``[B, C]`` tail tokens, priced by depth and match length."""
+        b, c, d = tokens.shape
+        dev = tokens.device
+        members = torch.full((b, c * d), member, dtype=torch.int64, device=dev)
+        depth = torch.arange(1, d + 1, device=dev).repeat(c).expand(b, c * d)
+        bins = self.calibrator.retrieval_bins(members, depth, torch.zeros(b, c * d, device=dev),
+                                              match.repeat_interleave(d, dim=1), sampled)
+        valid = valid.reshape(b, c * d)
         est = torch.where(valid, est_table[bins], 0.0)
-        parents = torch.arange(-1, d - 1, device=hist.device).expand(b, d)
-        return tokens, parents, est, valid, torch.where(valid, bins, -1), member
+        chain = torch.arange(-1, d - 1, device=dev)
+        parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d)
+        return tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members
+
+    def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+        tokens, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, self.pool - 1)
+        return self._chain_part(tokens[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP, sampled, est_table)
+
+    def _outputs_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
+                      est_table: torch.Tensor):
+        return self._chain_part(*self.outputs.propose(hist, count, groups), MEMBER_OUTPUTS, sampled, est_table)
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
@@ -365,13 +379,18 @@ class GraftStep:
             est.append(e)
             valid.append(v)
             group.append(torch.full_like(e, MEMBER_LOOKUP - MEMBER_SUCCESSOR, dtype=torch.int64))
+        if self.outputs is not None:
+            _, _, e, v, _, _ = self._outputs_part(hist, count, host.group, sampled, est_table)
+            est.append(e)
+            valid.append(v)
+            group.append(torch.full_like(e, MEMBER_OUTPUTS - MEMBER_SUCCESSOR, dtype=torch.int64))
         if host.width > 0:
             _, _, e, v, _, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             est.append(e)
             valid.append(v)
             group.append((member - MEMBER_SUCCESSOR).clamp(min=0))
-        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1), NUM_MEMBERS - MEMBER_SUCCESSOR,
-                         self.n - 1)
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1),
+                         MEMBER_OUTPUTS - MEMBER_SUCCESSOR + 1, self.n - 1)
         if not self.config.draft_nodes:
             floor = torch.full_like(floor, math.inf)
         return floor
@@ -425,6 +444,8 @@ class GraftStep:
             add(tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR))
         if self.config.retrieval.lookup:
             add(*self._lookup_part(hist, count, sampled, est_table))
+        if self.outputs is not None:
+            add(*self._outputs_part(hist, count, host.group, sampled, est_table))
         if host.width > 0:
             tok, par, est, valid, bins, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
             add(tok, par, est, valid, bins, member)
@@ -433,6 +454,8 @@ class GraftStep:
         tree, member_bins, gain = merge_select(
             torch.cat(parts_tok, 1), torch.cat(parts_par, 1), torch.cat(parts_key, 1), torch.cat(parts_est, 1),
             valid, torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n, self.config.graft,
-            gain_nodes=self.pool, sampled=sampled)
+            gain_nodes=self.pool, sampled=sampled,
+            agreement=((self.calibrator.layout.offset(MEMBER_AGREE), est_table) if self.config.agreement_bins
+                       else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain)

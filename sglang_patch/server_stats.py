@@ -107,6 +107,8 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
     sources = list(_safe(lambda: planner.retriever.sources, []) or [])
     if _safe(lambda: planner.successor) is not None:
         sources.append(planner.successor)
+    if _safe(lambda: planner.outputs) is not None:
+        sources.append(planner.outputs)
     out: Dict[str, Any] = {
         "live_requests": int(worker.live_graft_requests()),
         "planner_live_requests": _safe(lambda: int(planner.live_requests())),
@@ -117,7 +119,7 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
     }
     rids = list(_safe(lambda: tracker.states.keys(), []) or [])
     for src in sources:
-        if hasattr(src, "index_bytes"):  # the output index: shared tries, kept after requests stop
+        if hasattr(src, "index_bytes"):  # the output index: shared ring + tables, fixed size
             out["outputs_index_bytes"] = _safe(lambda src=src: int(src.index_bytes()))
         if hasattr(src, "num_nodes"):  # the suffix index: per-request trie sizes
             out["suffix_max_nodes_per_request"] = max((src.num_nodes(r) for r in rids), default=0)

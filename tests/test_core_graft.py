@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graft_spec.calibration import MEMBER_DRAFT, MEMBER_SUFFIX, NUM_MEMBERS
+from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftPolicy, PruneStage
 from graft_spec.graft import merge_select, path_hashes
 from graft_spec.prune import DraftStopGate, prune
@@ -192,8 +192,32 @@ def test_member_bins_credit_every_proposing_source():
     assert mb.shape == (1, 5, NUM_MEMBERS)
     assert mb[0, 1, MEMBER_DRAFT] == 10 and mb[0, 1, MEMBER_SUFFIX] == 20
     assert mb[0, 2, MEMBER_DRAFT] == 11 and mb[0, 2, MEMBER_SUFFIX] == 21
-    assert mb[0, 3].tolist() == [-1, -1, 22, -1, -1, -1]
+    assert mb[0, 3].tolist() == [-1, -1, 22] + [-1] * (NUM_MEMBERS - 3)
     assert (mb[0, 0] == -1).all() and (mb[0, 4] == -1).all()
+
+
+def test_agreement_nodes_get_their_own_bin_and_estimate():
+    """With ``agreement``, a node the draft and the suffix index both proposed is priced by the larger
+    of its best member's estimate and its agreement bin's (draft bin + offset), credits the agreement
+    bin instead of the draft bin, and lifts its subtree's keys; a draft-only node keeps its draft bin."""
+    toks = torch.tensor([[9, 1, 2, 5, 1, 2, 3]])
+    pars = torch.tensor([[-1, 0, 1, 0, 0, 4, 5]])        # draft 9-1-2 and 9-5, suffix 9-1-2-3
+    est = torch.tensor([[1.0, 0.5, 0.2, 0.45, 0.3, 0.25, 0.9]])
+    member = torch.tensor([[MEMBER_DRAFT] * 4 + [MEMBER_SUFFIX] * 3])
+    bins = torch.tensor([[-1, 10, 11, 12, 20, 21, 22]])
+    table = torch.zeros(200)
+    table[110], table[111], table[112] = 0.95, 0.1, 0.99     # agreement bins of draft bins 10, 11 (12 unused)
+    tree, mb, _ = merge_select(toks, pars, est, est, torch.ones(1, 7, dtype=torch.bool), member, bins, 4,
+                               agreement=(100, table))
+    assert tree.tokens.tolist() == [[9, 1, 2, 3]]            # 9-5: capped at 1 - 0.95 by its agreed sibling
+    assert torch.allclose(tree.logp[0, 1:].exp(), torch.tensor([0.95, 0.25, 0.25]))
+    assert mb[0, 1, MEMBER_DRAFT] == -1 and mb[0, 1, MEMBER_AGREE] == 110 and mb[0, 1, MEMBER_SUFFIX] == 20
+    assert mb[0, 2, MEMBER_DRAFT] == -1 and mb[0, 2, MEMBER_AGREE] == 111
+    assert mb[0, 3, MEMBER_AGREE] == -1 and mb[0, 3, MEMBER_SUFFIX] == 22
+    tree, mb, _ = merge_select(toks, pars, est, est, torch.ones(1, 7, dtype=torch.bool), member, bins, 5,
+                               agreement=(100, table))
+    assert tree.tokens.tolist() == [[9, 1, 2, 5, 3]]
+    assert mb[0, 3, MEMBER_DRAFT] == 12 and mb[0, 3, MEMBER_AGREE] == -1
 
 
 def test_path_hash_equal_iff_same_path():

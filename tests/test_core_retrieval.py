@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graft_spec.calibration import MEMBER_CORPUS, MEMBER_OUTPUTS, MEMBER_SUFFIX
+from graft_spec.calibration import MEMBER_CORPUS, MEMBER_SUFFIX
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
-from graft_spec.retrieval import (CorpusIndex, CountTrie, HostCandidateBuffer, OutputIndex, Retriever, SuccessorTable,
+from graft_spec.retrieval import (CorpusIndex, CountTrie, HostCandidateBuffer, OutputRing, Retriever, SuccessorTable,
                                   SuffixIndex, rank_template)
 
 
@@ -252,11 +252,9 @@ def test_lifecycle_no_leaks():
         for r in range(50):
             planner.stop_request(r)
         assert planner.live_requests() == 0
-        # what stays is the output index's tries: bounded by outputs_max_nodes, not by the requests
-        outputs = planner.retriever.source("outputs")
-        kept = outputs.index_bytes()
-        assert outputs.inserted == 8 * 50 * (rep + 1)
-        assert planner.memory_bytes() <= base + kept + 1024
+        # what stays is the output index's fixed ring and tables (in ``base`` already)
+        assert planner.outputs.inserted == 8 * 50 * (rep + 1)
+        assert planner.memory_bytes() == base
     planner.stop_request("never-started")  # harmless
 
 
@@ -336,75 +334,110 @@ def test_buffer_upload_is_not_overwritten_by_the_next_fill():
 
 # ----------------------------------------------------------------------------- output index
 
+def _windows(rows):
+    """TokenHistory-style right-aligned windows of the given contexts."""
+    length = max(len(r) for r in rows)
+    hist = torch.tensor([[0] * (length - len(r)) + r for r in rows])
+    return hist, torch.tensor([len(r) for r in rows])
+
+
 def test_output_index_proposes_what_earlier_requests_wrote():
-    idx = OutputIndex(max_depth=16, max_match=4, max_nodes=1024)
-    idx.start("a", [1, 2, 3])
-    idx.extend("a", [10, 11, 12, 13])
-    assert len(idx.propose("a", 8)) == 0          # a live request's own output is not in the index
-    idx.start("b", [5, 3])
-    assert len(idx.propose("b", 8)) == 0          # nothing stopped yet
-    idx.stop("a")
-    # b's context "... 3" continues as a's did after its prompt tail: 10 11 12 13
-    p = idx.propose("b", 8)
-    assert p.tokens == [10, 11, 12, 13] and p.parents == [-1, 0, 1, 2] and p.match_len == 1
-    idx.extend("b", [10, 11])
-    p = idx.propose("b", 8)
-    assert p.tokens == [12, 13] and p.match_len == 3  # "3 10 11"
-    idx.stop("b")
-    assert idx.live_requests() == 0 and idx.inserted == 6
-    idx.stop("never-started")                     # harmless
+    ring = OutputRing(capacity=256, max_match=4, depth=6)
+    ring.start("a", [1, 2, 3])
+    ring.extend("a", [10, 11, 12, 13])
+    hist, count = _windows([[5, 3], [1, 2, 3, 10, 11], [9, 9, 9]])
+    groups = torch.zeros(3, dtype=torch.int64)
+    assert not ring.propose(hist, count, groups)[1].any()        # a live request's output is not in it
+    ring.stop("a")
+    tokens, valid, match = ring.propose(hist, count, groups)
+    # "... 3" continues as a's did after its prompt tail; "2 3 10 11" (the longest match, 4) with 12 13
+    assert tokens[0, 0, :4].tolist() == [10, 11, 12, 13] and valid[0, 0].tolist() == [True] * 4 + [False] * 2
+    assert tokens[1, 0, :2].tolist() == [12, 13] and valid[1, 0].sum() == 2
+    assert match[:, 0].tolist() == [1, 4, 0] and not valid[2].any()
+    assert not valid[:, 1].any()                                  # one request: no second continuation
+    assert ring.live_requests() == 0 and ring.inserted == 4
+    ring.stop("never-started")                                    # harmless
 
 
-def test_output_index_tenants_are_isolated_and_least_recently_used_dropped():
-    idx = OutputIndex(max_depth=8, max_match=2, max_nodes=256, max_groups=2)
-    for tenant, out in (("x", [40, 41]), ("y", [50, 51]), ("z", [60, 61])):
-        idx.start(tenant, [7], tenant=tenant)
-        idx.extend(tenant, out)
-        idx.stop(tenant)
-    seen = {}
-    for tenant in ("x", "y", "z", None):
-        idx.start("q", [7], tenant=tenant)
-        seen[tenant] = idx.propose("q", 4).tokens
-        idx.stop("q")                             # q wrote nothing: inserts nothing
-    assert seen == {"x": [], "y": [50, 51], "z": [60, 61], None: []}   # x was dropped for z
+def test_output_index_matches_the_longest_tail_and_the_latest_occurrence():
+    """Chain 0: the longest matched tail's latest occurrence; chain 1: the longest match whose next
+    token differs from chain 0's."""
+    ring = OutputRing(capacity=256, max_match=8, depth=3)
+    for rid, out in (("x", [7, 8, 1, 2, 30, 31]), ("y", [1, 2, 40, 41]), ("z", [9, 2, 50])):
+        ring.start(rid, [])
+        ring.extend(rid, out)
+        ring.stop(rid)
+    hist, count = _windows([[8, 1, 2], [5, 1, 2], [4, 9, 2]])
+    tokens, valid, match = ring.propose(hist, count, torch.zeros(3, dtype=torch.int64))
+    assert match.tolist() == [[3, 2], [2, 1], [2, 0]]
+    assert tokens[0, 0, :2].tolist() == [30, 31]                   # "8 1 2": only x has it
+    assert tokens[0, 1, :2].tolist() == [40, 41] and valid[0, 1].sum() == 2   # "1 2": y wrote it last
+    assert tokens[1, 0, :2].tolist() == [40, 41]                   # "1 2": y wrote it last
+    assert tokens[1, 1, :1].tolist() == [50] and valid[1, 1].sum() == 1      # "2": z wrote it last
+    assert tokens[2, 0, :1].tolist() == [50] and not valid[2, 1].any()   # "9 2" and "2" agree
 
 
-def test_output_index_memory_is_bounded_and_keeps_the_newest():
+def test_output_index_groups_are_isolated_and_forgotten_on_handover():
+    ring = OutputRing(capacity=256, max_match=2, depth=4)
+    for rid, group, out in (("x", 1, [40, 41]), ("y", 2, [50, 51])):
+        ring.start(rid, [7], group)
+        ring.extend(rid, out)
+        ring.stop(rid)
+    hist, count = _windows([[7]] * 4)
+    tokens, valid, _ = ring.propose(hist, count, torch.tensor([1, 2, 0, 3]))
+    assert tokens[0, 0, :2].tolist() == [40, 41] and tokens[1, 0, :2].tolist() == [50, 51]
+    assert valid.sum(dim=(1, 2)).tolist() == [2, 2, 0, 0]
+    ring.forget_group(1)
+    assert not ring.propose(hist, count, torch.tensor([1, 2, 0, 3]))[1][0].any()
+
+
+def test_output_index_memory_is_fixed_and_keeps_the_newest():
     rng = random.Random(3)
-    idx = OutputIndex(max_depth=8, max_match=2, max_nodes=2000)
-    for r in range(300):
-        idx.start(r, [rng.randrange(5000)])
-        idx.extend(r, [rng.randrange(5000) for _ in range(20)])
-        idx.stop(r)
-    gen = idx._groups[None]
-    held = sum(sum(1 for t in trie.hist if t >= 0) for trie in gen.tries())
-    assert held <= 2000 + 2 * 150                 # outputs + their 1-token prompt tails
-    assert gen.old is not None
-    idx.start("new", [1, 2])
-    idx.extend("new", [4242, 4343, 4444])
-    idx.stop("new")
-    idx.start("q", [9, 4242])
-    assert idx.propose("q", 4).tokens == [4343, 4444]
+    ring = OutputRing(capacity=512, max_match=4, depth=4)
+    fixed = ring.index_bytes()
+    for r in range(300):                                          # ~12 times the capacity
+        ring.start(r, [rng.randrange(5000)])
+        ring.extend(r, [rng.randrange(5000) for _ in range(20)])
+        ring.stop(r)
+    assert ring.index_bytes() == fixed == ring.memory_bytes()
+    ring.start("new", [1, 2])
+    ring.extend("new", [4242, 4343, 4444])
+    ring.stop("new")
+    hist, count = _windows([[9, 4242], [rng.randrange(5000) for _ in range(3)]])
+    tokens, valid, _ = ring.propose(hist, count, torch.zeros(2, dtype=torch.int64))
+    assert tokens[0, 0, :2].tolist() == [4343, 4444] and valid[0].sum() == 2
+    # an overwritten position is never proposed: the oldest requests are gone
+    old = OutputRing(capacity=64, max_match=2, depth=2)
+    old.insert([1, 2, 3])
+    for r in range(20):
+        old.insert([100 + r, 200 + r, 300 + r])
+    hist, count = _windows([[1, 2]])
+    assert not old.propose(hist, count, torch.zeros(1, dtype=torch.int64))[1].any()
 
 
-def test_output_index_in_the_retriever_follows_isolation():
-    def names(**kw):
-        return [s.name for s in Retriever.from_config(GraftConfig(retrieval=kw)).sources]
+def test_output_index_in_the_planner_follows_isolation():
+    def ring(**kw):
+        return GraftPlanner(GraftConfig(num_draft_tokens=16, topk=4, depth=3, retrieval=kw), vocab_size=100).outputs
 
-    assert names() == ["suffix"]                  # off by default (docs/benchmark.md says why)
-    assert names(outputs=True) == ["suffix", "outputs"]
-    assert names(outputs=True, isolation="request") == ["suffix"]
-    r = Retriever.from_config(GraftConfig(retrieval={"outputs": True, "isolation": "tenant", "max_tenants": 3}))
-    assert r.source("outputs").max_groups == 3 and r.source("outputs").member == MEMBER_OUTPUTS
-    # the planner hands the tenant down
+    assert ring() is None                          # off by default (docs/benchmark.md says why)
+    assert ring(outputs=True).depth == 15          # chains as deep as the tree
+    assert ring(outputs=True, isolation="request") is None
+    assert [s.name for s in Retriever.from_config(GraftConfig(retrieval={"outputs": True})).sources] == ["suffix"]
+    # the planner tags a request with its tenant's group; the step proposes on the device
     planner = GraftPlanner(GraftConfig(num_draft_tokens=16, topk=4, depth=3,
-                                       retrieval={"outputs": True, "isolation": "tenant", "suffix": False}),
-                           vocab_size=100)
+                                       retrieval={"outputs": True, "isolation": "tenant", "suffix": False,
+                                                  "successor": False, "lookup": False}),
+                           vocab_size=100, max_slots=4)
     planner.start_request(1, [3, 4], tenant="t1")
     planner.extend(1, [5, 6, 7])
     planner.stop_request(1)
     planner.start_request(2, [4], tenant="t2")
     planner.start_request(3, [4], tenant="t1")
     hc = planner.host_candidates([2, 3])
-    assert (hc.member[0] == -1).all()
-    assert hc.tokens[1, :3].tolist() == [5, 6, 7] and hc.member[1, :3].tolist() == [MEMBER_OUTPUTS] * 3
+    slots = torch.tensor([0, 1])
+    planner.history.reset(slots, torch.tensor([[4], [4]]), torch.tensor([1, 1]))
+    hist, count = planner.history.gather(slots)
+    tokens, valid, _ = planner.outputs.propose(hist, count, hc.group)
+    assert not valid[0].any()
+    assert tokens[1, 0, :3].tolist() == [5, 6, 7] and valid[1].sum() == 3
+

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graft_spec.calibration import MEMBER_SUFFIX, NUM_MEMBERS
+from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_OUTPUTS, MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
@@ -81,7 +81,7 @@ SHAPES = {24: (4, 4), 60: (10, 7)}
 def test_step_runs_on_meta_tensors(b, n):
     """Static shapes and no host read: the step (and the planner's device state) runs on ``meta``."""
     topk, steps = SHAPES[n]
-    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps)
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, retrieval={"outputs": True})
     planner = GraftPlanner(cfg, 151936, device="meta", max_slots=64)
     out = planner.build(*dense_inputs(b, topk, steps, 151936, 64, "meta"))
     assert out.tree.tokens.shape == (b, n) and out.mask.shape == (b, n, n)
@@ -96,10 +96,16 @@ def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     (a host read or data-dependent branch would break it), the compiled step equals the eager one,
     and the eager step dispatches none of `HOST_OPS`; with every sibling-caps mode."""
     topk, steps = SHAPES[n]
-    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, graft={"exclusive_siblings": exclusive})
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, graft={"exclusive_siblings": exclusive},
+                      retrieval={"outputs": True})
     planner = GraftPlanner(cfg, 5000, max_slots=64)
     gen = torch.Generator().manual_seed(b * 100 + n)
     args = dense_inputs(b, topk, steps, 5000, 64, "cpu", gen)
+    slots = args[3]
+    ctx = torch.randint(0, 5000, (b, 40), generator=gen)
+    planner.history.reset(slots, ctx, torch.full((b,), 40))
+    for row in ctx[: min(b, 8)].tolist():            # earlier requests wrote some of these contexts
+        planner.outputs.insert(row + [int(t) for t in torch.randint(0, 5000, (20,), generator=gen)])
 
     def step(*a):
         out = planner.build(*a)
@@ -108,6 +114,7 @@ def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     with HostReadGuard() as guard:
         eager = step(*args)
     assert guard.bad == [], f"the step dispatched host ops: {sorted(set(guard.bad))}"
+    assert (eager[4][..., MEMBER_OUTPUTS] >= 0).any()           # the output index proposed on the device
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")(*args)
     for x, y in zip(eager, compiled):
         assert torch.equal(x, y)
@@ -195,6 +202,66 @@ def test_calibration_settles_on_observed_rates():
     lower = int(cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-5.0]]),
                                torch.zeros(1, dtype=torch.bool)))
     assert cal.estimates()[lower] <= cal.estimates()[bin1]
+
+
+def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
+    """A draft node a retrieval source also proposed is an agreement node: its agreement bin (draft
+    bin + the agree block's offset, prior sqrt of the draft prior) is credited, its draft bin is not;
+    the draft member keeps the draft-only nodes."""
+    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, retrieval={"successor": False, "suffix": False,
+                                                                        "lookup": False},
+                      calibration={"agreement": True})
+    assert not GraftConfig().agreement_bins and GraftConfig(retrieval={"outputs": True}).agreement_bins
+    assert not GraftConfig(retrieval={"outputs": True}, calibration={"agreement": False}).agreement_bins
+    planner = GraftPlanner(cfg, 50, max_slots=2)
+    cal = planner.calibrator
+    lay = cal.layout
+    assert lay.offset(MEMBER_AGREE) + lay.draft_bins <= lay.per_mode
+    draft_prior = cal.prior[:lay.draft_bins]
+    agree_prior = cal.prior[lay.offset(MEMBER_AGREE): lay.offset(MEMBER_AGREE) + lay.draft_bins]
+    assert torch.allclose(agree_prior, draft_prior.sqrt())
+    draft, roots, host, slots, seq_lens, sampled = dense_inputs(2, 2, 2, 50, 1, "cpu",
+                                                                torch.Generator().manual_seed(3))
+    best = draft.logq.argmax(dim=1)                       # a depth-1 node: the best draft token
+    host.tokens[:, 0] = draft.tokens.gather(1, best[:, None])[:, 0]
+    host.anchor_len.fill_(5)                              # seq_len 4 + the root: no re-anchoring gap
+    off = GraftPlanner(cfg.model_copy(update={"calibration": cfg.calibration.model_copy(update={"agreement": False})}),
+                       50, max_slots=2).build(draft, roots, host, slots, seq_lens, sampled)
+    assert not (off.member_bins[:, :, MEMBER_AGREE] >= 0).any()     # off: merged nodes credit the draft bin
+    out = planner.build(draft, roots, host, slots, seq_lens, sampled)
+    mb = out.member_bins
+    agree = mb[:, :, MEMBER_AGREE] >= 0
+    assert agree.sum(dim=1).tolist() == [1, 1]            # one agreement node per row
+    assert (mb[:, :, MEMBER_DRAFT][agree] == -1).all() and (mb[:, :, MEMBER_SUFFIX][agree] >= 0).all()
+    assert ((mb[:, :, MEMBER_DRAFT] >= 0) & ~agree).sum() >= 2   # the other draft nodes keep theirs
+    on_path = torch.zeros_like(agree)
+    on_path[:, 0] = True
+    on_path |= agree
+    members, _ = cal.update(mb, on_path, torch.ones_like(mb[:, :, 0]), out.estimates)
+    assert members[MEMBER_AGREE].tolist()[0] == 2 and members[MEMBER_AGREE].tolist()[2] == 2
+    assert members[MEMBER_DRAFT].tolist()[2] == 0
+
+
+def test_agreement_priors_follow_what_agreement_has_shown():
+    """Agreement nodes accepted far above their ``sqrt(q)`` prior raise the estimate of agreement
+    bins never tried by the same ratio (per mode); draft bins and the other mode stay put."""
+    cal = GraftPlanner(GraftConfig(num_draft_tokens=6, topk=2, depth=2), 50).calibrator
+    lay = cal.layout
+    tried, untried = lay.offset(MEMBER_AGREE) + 5, lay.offset(MEMBER_AGREE) + 8
+    before = cal.estimates()
+    bins = torch.full((4, 2, NUM_MEMBERS), -1)
+    bins[:, 1, MEMBER_AGREE] = tried
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        on_path = torch.stack([torch.ones(4, dtype=torch.bool), torch.rand(4, generator=gen) < 0.9], dim=1)
+        cal.update(bins, on_path, torch.ones(4, 2, dtype=torch.int64), cal.estimates())
+    after = cal.estimates()
+    ratio = (cal.hits[tried] + 1) / (cal.trials[tried] * cal.prior[tried] + 1)
+    assert ratio > 2.0
+    assert after[untried].item() == pytest.approx(min(cal.prior[untried].item() * ratio.item(), 0.99), rel=1e-4)
+    assert after[tried].item() == pytest.approx(0.9, abs=0.06)
+    assert after[lay.per_mode + untried] == before[lay.per_mode + untried]   # sampled rows: untouched
+    assert torch.equal(after[:lay.draft_bins], before[:lay.draft_bins])      # draft bins: untouched
 
 
 def test_observe_updates_device_state_and_reports_path_sources():

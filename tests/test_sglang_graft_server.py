@@ -15,6 +15,8 @@ What must hold:
 * the calibration's estimated acceptance per source tracks the observed one (``/server_info``), and
   the ``graft:*`` series are on ``/metrics``;
 * sampling (T=0.8, top-p 0.95) runs with accept length > 1, also under overlap;
+* with the output index on (overlap), greedy outputs still equal no-spec, and a second pass over the
+  prompts accepts the first pass's outputs from the index;
 * drafting stops early when retrieval already fills the tree (skipped draft forwards);
 * per-request graft state is freed for finished and aborted requests (server log);
 * the batch budget switches verify widths (plain decode steps included) with greedy outputs still
@@ -269,6 +271,34 @@ class TestOverlapScheduler:
         outs = generate_many(overlap.url, CODE[:6], concurrency=3, max_new_tokens=32, temperature=0.8, top_p=0.95)
         assert all(0 < o["meta_info"]["completion_tokens"] <= 32 for o in outs)
         assert accept_length(outs) > 1.0
+
+
+class TestOutputIndex:
+    """The device output index (``retrieval.outputs``, opt-in) under the overlap scheduler: the code
+    prompts twice, the second pass finding the first pass's outputs in the index."""
+
+    @pytest.fixture(scope="class")
+    def passes(self, reference):
+        env = {"GRAFT_SGLANG_CPU_OVERLAP": "1", "GRAFTCFG_RETRIEVAL__OUTPUTS": "true", **FIXED_N}
+        with serve(QUICK / "target", [*COMMON, *GRAFT], name="graft_outputs", env=env) as srv:
+            first = _run(srv.url, 1)
+            cal_first = _worker_stats(srv.url)["calibration"]["outputs"]
+            second = _run(srv.url, 4)
+            return first, second, cal_first, _worker_stats(srv.url)["calibration"]["outputs"]
+
+    def test_greedy_equal_to_no_speculation(self, passes, reference):
+        first, second, _, _ = passes
+        assert not _mismatches(first, reference), "output index, first pass (concurrency 1)"
+        assert not _mismatches(second, reference), "output index, second pass (concurrency 4)"
+
+    def test_second_pass_accepts_the_first_pass_outputs(self, passes, record_property):
+        first, second, cal_first, cal = passes
+        tau1, tau2 = accept_length(first), accept_length(second)
+        record_property("output_index", json.dumps({"tau": [tau1, tau2], "calibration": cal}))
+        print(f"\nSGLANG-GRAFT-OUTPUTS tau {tau1:.3f} -> {tau2:.3f}", json.dumps(cal))
+        hits = cal["trials"] * cal["observed"] - cal_first["trials"] * cal_first["observed"]
+        assert hits > 24 * 8, (cal_first, cal)             # its proposals were accepted, every prompt
+        assert tau2 > 1.2 * tau1
 
 
 class TestBatchBudget:

@@ -325,10 +325,11 @@ def test_tracker_hands_the_final_output_to_the_output_index_at_finish():
     tr.prepare([a])
     a.output_ids += [5, 6, 7, 8]                 # committed by the last rounds, never prepared
     tr.finish("a")
-    b = _req("b", [50, 60, 1, 2, 3, 4, 5], [])
-    tr.prepare([b])
-    proposal = planner.retriever.source("outputs").propose("b", 8)
-    assert proposal.tokens[:3] == [6, 7, 8], proposal
+    import torch
+
+    hist = torch.tensor([[50, 60, 1, 2, 3, 4, 5]])             # a later request's context, on the device
+    tokens, valid, _ = planner.outputs.propose(hist, torch.tensor([7]), torch.zeros(1, dtype=torch.int64))
+    assert tokens[0, 0, :3].tolist() == [6, 7, 8] and valid[0].sum() == 3, (tokens, valid)
 
 
 def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():

@@ -1,4 +1,4 @@
-"""The interface shared by the host-side retrieval sources (suffix index, corpus, output index).
+"""The interface shared by the host-side retrieval sources (suffix index, corpus).
 
 Modelled on ArcticInference's small suffix-decoding API (start_request / add_active_response /
 speculate / stop_request): a source is told a request's prompt and every token it commits, and
@@ -47,7 +47,7 @@ def longest_match_proposal(tries: Iterable["CountTrie"], tail: Sequence[int], ma
     """The longest suffix of ``tail`` (<= ``max_match`` tokens) found with a continuation in any of
     ``tries`` (the first trie wins a tie), then that trie's best-first continuation of at most
     ``budget`` nodes (`CountTrie.longest_match`, `CountTrie.expand`); empty when nothing matches.
-    Used by the sources over other text than the request's own (corpus, output index)."""
+    Used by the source over other text than the request's own (the corpus)."""
     best, best_len, best_trie = None, 0, None
     for trie in tries:
         loc, length = trie.longest_match(tail, max_match)

@@ -1,4 +1,4 @@
-"""Fan-out over the host-side sources (suffix index, corpus, output index) into the candidate buffer.
+"""Fan-out over the host-side sources (suffix index, corpus) into the candidate buffer.
 
 Sources are queried independently per request and their proposals written side by side into the
 request's buffer row (`HostCandidateBuffer.put`); duplicates across sources (and with the draft
@@ -14,7 +14,6 @@ from ..config import GraftConfig
 from .base import HostSource
 from .buffer import HostCandidateBuffer
 from .corpus import CorpusIndex
-from .outputs import OutputIndex
 from .suffix import SuffixIndex
 
 __all__ = ["Retriever"]
@@ -48,10 +47,6 @@ class Retriever:
             srcs.append(CorpusIndex.from_file(r.corpus_path, max_depth=r.suffix_max_depth,
                                               max_match=r.match_len, min_prob=r.suffix_min_prob,
                                               max_mb=r.corpus_max_mb))
-        if r.outputs and r.isolation != "request":
-            srcs.append(OutputIndex(max_depth=r.suffix_max_depth, max_match=r.match_len, min_prob=r.suffix_min_prob,
-                                    max_nodes=r.outputs_max_nodes, max_request_tokens=r.outputs_max_request_tokens,
-                                    max_groups=r.max_tenants if r.isolation == "tenant" else 1))
         return cls(srcs)
 
     def source(self, name: str) -> Optional[HostSource]:

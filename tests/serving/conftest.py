@@ -47,31 +47,29 @@ SHAPE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "4",
 #: (test_server_stats.py measures <= 184 B/node with ``memory_bytes()``'s accounting and <= 175 B/node
 #: of real allocations with tracemalloc), plus a fixed per-request overhead.
 BYTES_PER_SUFFIX_NODE = 210
-#: Fixed per-request overhead, the output index's buffer of a live request included (int32 tokens,
-#: at most ``retrieval.outputs_max_request_tokens`` = 2048, plus its two context tails).
+#: Fixed per-request overhead, the output index's record of a live request included (its output,
+#: at most ``retrieval.outputs_max_request_tokens`` = 2048, and prompt tail, int32).
 PER_REQUEST_OVERHEAD = 4096 + 4 * 2048 + 2048
 
 
 def retrieval_bound(successor_bytes: int, live_requests: int, max_nodes: int = SUFFIX_MAX_NODES,
                     outputs_index_bytes: int = 0) -> int:
     """Upper bound of ``GraftPlanner.memory_bytes()``: the fixed successor table, the output index's
-    tries (shared; bounded on their own, see `outputs_index_bound`)
+    ring and tables (shared, fixed; see `outputs_index_bound`)
     plus, per live request, ``BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD``."""
     return (successor_bytes + outputs_index_bytes
             + live_requests * (BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD))
 
 
 def outputs_index_bound(retrieval) -> int:
-    """Upper bound of the output index's ``index_bytes()`` (shared, kept after requests stop; a trie
-    like the suffix index, at ``BYTES_PER_SUFFIX_NODE`` per node) from a ``RetrievalConfig``'s caps: per
-    isolation group ``outputs_max_nodes`` nodes and tokens plus, in each of two generations, one
-    insert of ``outputs_max_request_tokens + match_len`` tokens with up to ``suffix_max_depth`` nodes
-    each."""
-    r = retrieval
-    insert = min(r.outputs_max_request_tokens, r.outputs_max_nodes // 2) + r.match_len
-    per_group = r.outputs_max_nodes + 2 * insert * r.suffix_max_depth
-    groups = r.max_tenants if r.isolation == "tenant" else 1
-    return BYTES_PER_SUFFIX_NODE * per_group * groups + 4096
+    """Upper bound of the output index's ``index_bytes()`` (shared, fixed at start-up, kept after
+    requests stop) from a ``RetrievalConfig``'s caps: a ring of ``outputs_max_tokens`` tokens and
+    their group tags, plus one hash table per match length (at most ``len(MATCH_LENGTHS)``) of at
+    most ``4 * outputs_max_tokens`` int64 slots."""
+    from graft_spec.retrieval.output_ring import MATCH_LENGTHS
+
+    c = retrieval.outputs_max_tokens
+    return 8 * (2 * c + len(MATCH_LENGTHS) * 4 * c)
 
 
 def graft_retrieval_config():

@@ -93,8 +93,10 @@ def test_graft_worker_state_appears_and_is_freed():
     planner = _planner()
     worker = _GraftWorkerLike(planner)
     succ = planner.successor.memory_bytes()
+    fixed = succ + planner.outputs.index_bytes()       # the device tables: successor, output index
     empty = server_stats.collect(_scheduler(worker))["worker"]
-    assert empty["live_requests"] == 0 and empty["planner_memory_bytes"] == succ
+    assert empty["live_requests"] == 0 and empty["planner_memory_bytes"] == fixed
+    assert empty["outputs_index_bytes"] == planner.outputs.index_bytes()
 
     rng = random.Random(0)
     reqs = [_req(f"r{i}", [rng.randrange(VOCAB) for _ in range(100)]) for i in range(3)]
@@ -102,7 +104,7 @@ def test_graft_worker_state_appears_and_is_freed():
     worker.stats.record_round([[0, 1, -1], [-1, -1, -1], [2, -1, -1]], [[0, 0, 0]] * 5, [[0, 0]])
     w = server_stats.collect(_scheduler(worker))["worker"]
     assert w["live_requests"] == w["planner_live_requests"] == 3
-    assert w["planner_memory_bytes"] > succ
+    assert w["planner_memory_bytes"] > fixed
     assert w["memory_bytes_by_source"]["successor"] == succ
     assert sum(w["memory_bytes_by_source"].values()) == w["planner_memory_bytes"]
     assert 100 <= w["suffix_max_nodes_per_request"] <= 512
@@ -115,7 +117,7 @@ def test_graft_worker_state_appears_and_is_freed():
         worker.requests.finish(r.rid)
     w = server_stats.collect(_scheduler(worker))["worker"]
     assert w["live_requests"] == w["planner_live_requests"] == 0
-    assert w["planner_memory_bytes"] == succ and w["finished_total"] == 3
+    assert w["planner_memory_bytes"] == fixed and w["finished_total"] == 3
 
 
 def test_hook_adds_the_key_and_never_raises():
@@ -170,7 +172,7 @@ def _stream(kind: str, rng: random.Random, n: int):
 def test_retrieval_memory_bounded_by_the_cap(max_nodes, kind, record_property):
     planner = _planner(max_nodes)
     suffix = planner.retriever.source("suffix")
-    succ = planner.successor.memory_bytes()
+    fixed = planner.successor.memory_bytes() + planner.outputs.index_bytes()   # device tables, fixed size
     bound = BYTES_PER_SUFFIX_NODE * max_nodes + PER_REQUEST_OVERHEAD
     rng = random.Random(max_nodes)
     tracemalloc.start()
@@ -180,7 +182,7 @@ def test_retrieval_memory_bounded_by_the_cap(max_nodes, kind, record_property):
         peak_reported = peak_nodes = 0
         for _ in range(2500):  # ~11k tokens: many times the cap
             planner.extend("a", _stream(kind, rng, rng.randint(1, 8)))
-            peak_reported = max(peak_reported, planner.memory_bytes() - succ)
+            peak_reported = max(peak_reported, planner.memory_bytes() - fixed)
             peak_nodes = max(peak_nodes, suffix.num_nodes("a"))
         traced_peak = tracemalloc.get_traced_memory()[1] - base
     finally:
@@ -193,10 +195,10 @@ def test_retrieval_memory_bounded_by_the_cap(max_nodes, kind, record_property):
     if kind != "repeat":
         assert suffix.rebuilds > 0 and peak_nodes > max_nodes // 2  # the cap was really reached
     planner.stop_request("a")
-    # only the output index's tries stay (what "a" wrote, bounded by outputs_max_nodes)
-    outputs = planner.retriever.source("outputs")
-    assert planner.memory_bytes() == succ + outputs.index_bytes() and planner.live_requests() == 0
-    assert outputs.index_bytes() <= outputs_index_bound(planner.config.retrieval)
+    # only the fixed device tables stay (the output index holds what "a" wrote)
+    assert planner.memory_bytes() == fixed and planner.live_requests() == 0
+    assert planner.outputs.inserted > 0
+    assert planner.outputs.index_bytes() <= outputs_index_bound(planner.config.retrieval)
 
 
 def test_many_requests_and_a_prompt_far_over_the_cap():
@@ -212,12 +214,13 @@ def test_many_requests_and_a_prompt_far_over_the_cap():
         for _ in range(50):
             planner.extend(i, _stream("random", rng, 4))
     assert planner.live_requests() == 32
-    assert planner.memory_bytes() <= retrieval_bound(succ, 32, max_nodes)
+    index = planner.outputs.index_bytes()
+    assert planner.memory_bytes() <= retrieval_bound(succ, 32, max_nodes, outputs_index_bytes=index)
     planner.start_request("long", _stream("random", rng, 20_000))
     assert planner.retriever.source("suffix").num_nodes("long") <= max_nodes
-    assert planner.memory_bytes() <= retrieval_bound(succ, 33, max_nodes)
+    assert planner.memory_bytes() <= retrieval_bound(succ, 33, max_nodes, outputs_index_bytes=index)
     for i in [*range(32), "long"]:
         planner.stop_request(i)
-    outputs = planner.retriever.source("outputs")
+    outputs = planner.outputs
     assert planner.memory_bytes() == succ + outputs.index_bytes() and planner.live_requests() == 0
     assert outputs.index_bytes() <= outputs_index_bound(planner.config.retrieval)
