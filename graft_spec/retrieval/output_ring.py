@@ -79,6 +79,8 @@ class OutputRing:
         ValueError: bounds above violated.
     """
 
+    name = "outputs"   # memory_bytes_by_source key on /server_info
+
     def __init__(self, capacity: int, max_match: int, depth: int, max_request_tokens: int = 2048,
                  device: torch.device | str = "cpu"):
         if capacity < 64 or max_match < 1 or depth < 1 or max_request_tokens < 1:
@@ -97,8 +99,6 @@ class OutputRing:
         self._total = 0                                                        # its host copy
         self._live: dict[Hashable, _Live] = {}
         self.inserted = 0
-
-    name = "outputs"
 
     # ------------------------------------------------------------------ host lifecycle
     def start(self, req_id: Hashable, prompt_ids: Sequence[int], group: int = 0) -> None:
