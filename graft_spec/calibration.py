@@ -15,9 +15,9 @@ Each candidate carries a *calibration bin*: a small integer computed from its fe
 |---|---|---|
 | draft | node depth, cumulative draft probability q | q |
 | successor | template slot (= its rank path and depth) | product of rank priors |
-| suffix, corpus, outputs | depth, count-ratio path probability p, match length | p x 0.85**depth |
-| lookup | depth, match length (p = 1) | 0.85**depth |
-| agree | node depth, cumulative draft probability q | q**0.5 |
+| suffix, corpus | depth, count-ratio path probability p, match length | p x 0.85**depth |
+| lookup, outputs | depth, match length (p = 1) | 0.85**depth |
+| agree | node depth, cumulative draft probability q | q**0.5, scaled (`Calibrator.estimates`) |
 
 and a mode axis (greedy / sampled rows), so ``2 x (2 x draft + successor + 4 x retrieval)`` bins in all
 (a few thousand floats). The estimate of a bin is the posterior mean
@@ -28,9 +28,10 @@ calibration needs. After every verify, each member of each verified
 non-root node adds one trial to its bin and one hit if the node lies on the accepted path (a node
 proposed by several retrieval sources credits every one of them).
 
-A node the draft *and* a retrieval source proposed (an agreement node) is its own member,
-``agree``: its bins are the draft bins' axes (depth, draft probability), it is priced by its own
-estimate (`graft.merge_select`) and credited instead of the draft bin. The draft bins then learn
+With ``calibration.agreement`` (on with the output index), a node the draft *and* a retrieval source
+proposed (an agreement node) is its own member, ``agree``: its bins are the draft bins' axes (depth,
+draft probability), it is priced by its own estimate (`graft.merge_select`) and credited instead of
+the draft bin. The draft bins then learn
 the acceptance of draft-only nodes, which is what they price when the draft proposes alone; before,
 they learnt a mix of both (with the output index on: 0.31 observed vs 0.23 estimated on the quick
 pair, while 9 of 1,394 accepted tokens were draft-only), and pricing agreement by the larger of the

@@ -105,8 +105,8 @@ class RetrievalConfig(BaseModel):
     Outputs (device, off by default; docs/benchmark.md): the output index holds what earlier requests
     generated (their prompt's last ``match_len`` tokens and their output, inserted when they stop;
     SuffixDecoding's global tree) in a device ring of the newest ``outputs_max_tokens`` tokens with
-    m-gram hash tables (``8 * (2 + 2 K)`` bytes a token of ring, K = 8 match lengths at the default
-    ``match_len`` 16: 37.7 MB at the default size, fixed at start-up), each
+    m-gram hash tables (``8 * (2 + 2 K)`` bytes a token of ring at a power-of-two size, K = 8 match
+    lengths at the default ``match_len`` 16: 37.7 MB at the default size, fixed at start-up), each
     request adding its first ``outputs_max_request_tokens``; live requests match the context the
     device holds against it inside the graft step, so the overlap scheduler's host lag does not
     reach it (retrieval/output_ring.py).

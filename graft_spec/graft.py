@@ -36,16 +36,13 @@ from typing import Optional
 
 import torch
 
-from .calibration import MEMBER_AGREE, MEMBER_DRAFT, NUM_MEMBERS, RETRIEVAL_MEMBERS, MEMBER_SUCCESSOR
+from .calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUCCESSOR, NUM_MEMBERS
 from .config import GraftPolicy
-from .tree import (IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, pointer_rounds,
-                   order_key, path_min, sentinel_parents, top_mask)
+from .tree import (HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
+                   pointer_rounds, order_key, path_min, sentinel_parents, top_mask)
 
 __all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select"]
 
-_MIX = -7046029254386353131        # 0x9E3779B97F4A7C15 as int64
-_ADD = 0x632BE59BD9B4E019
-_POW = 0x5851F42D4C957F2D         # odd 63-bit multiplier of the polynomial path hash
 
 
 def path_hashes(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -61,9 +58,9 @@ def path_hashes(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """
     b, u = tokens.shape
     p = sentinel_parents(parents)                                        # [B, U+1]
-    s = tokens * _MIX + _ADD
+    s = tokens * HASH_MIX + HASH_ADD
     s = torch.cat([s ^ (s >> 31), torch.zeros(b, 1, dtype=s.dtype, device=s.device)], dim=1)
-    pw = torch.full_like(s, _POW)
+    pw = torch.full_like(s, HASH_POW)
     pw[:, u].fill_(1)                                                         # sentinel: empty segment
     for _ in range(pointer_rounds(u + 1)):
         s = s.gather(1, p) * pw + s
@@ -222,13 +219,14 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
         offset, table = agreement
         mb = mb.view(b, u, NUM_MEMBERS)
         drafted = mb[:, :, MEMBER_DRAFT]
-        retrieved = (mb[:, :, MEMBER_SUCCESSOR:max(RETRIEVAL_MEMBERS) + 1] >= 0).any(dim=2)
+        retrieved = (mb[:, :, MEMBER_SUCCESSOR:MEMBER_AGREE] >= 0).any(dim=2)   # any member but draft / agree
         agree = (drafted >= 0) & retrieved
         agree_bin = torch.where(agree, drafted + offset, -1)
         agree_est = torch.where(agree, table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
         gest = torch.where(agree, torch.maximum(gest, agree_est), gest)
         gkey = torch.where(agree & (gkey < math.inf), torch.maximum(gkey, agree_est), gkey)
-        mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, 1:MEMBER_AGREE].unbind(2), agree_bin], dim=2)
+        mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, MEMBER_SUCCESSOR:MEMBER_AGREE].unbind(2),
+                          agree_bin], dim=2)
         mb = mb.reshape(b, u * NUM_MEMBERS)
 
     unique = valid & (canon == ar)

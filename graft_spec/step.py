@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from .calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUCCESSOR, NUM_MEMBERS, Calibrator
+from .calibration import (MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUCCESSOR, NUM_MEMBERS,
+                          Calibrator)
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
@@ -365,32 +366,28 @@ class GraftStep:
         candidates alone (max over sources of their (N-1)-th best estimate; gate.py). +inf when draft
         nodes are disabled (nothing to draft for). Groups are the retrieval members, numbered from
         the successor (the draft member has none)."""
-        b = roots.shape[0]
-        est, valid, group = [torch.zeros(b, 0, device=roots.device)], [torch.zeros(b, 0, dtype=torch.bool,
-                                                                                      device=roots.device)], []
-        group.append(torch.zeros(b, 0, dtype=torch.int64, device=roots.device))
+        b, dev = roots.shape[0], roots.device
+        est, valid = [torch.zeros(b, 0, device=dev)], [torch.zeros(b, 0, dtype=torch.bool, device=dev)]
+        member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)]
         if self.successor is not None:
             _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table)
             est.append(e)
             valid.append(v)
-            group.append(torch.zeros_like(e, dtype=torch.int64))   # MEMBER_SUCCESSOR
+            member.append(torch.full_like(e, MEMBER_SUCCESSOR, dtype=torch.int64))
+        parts = []                                       # (tokens, parents, est, valid, bins, member)
         if self.config.retrieval.lookup:
-            _, _, e, v, _, _ = self._lookup_part(hist, count, sampled, est_table)
-            est.append(e)
-            valid.append(v)
-            group.append(torch.full_like(e, MEMBER_LOOKUP - MEMBER_SUCCESSOR, dtype=torch.int64))
+            parts.append(self._lookup_part(hist, count, sampled, est_table))
         if self.outputs is not None:
-            _, _, e, v, _, _ = self._outputs_part(hist, count, host.group, sampled, est_table)
-            est.append(e)
-            valid.append(v)
-            group.append(torch.full_like(e, MEMBER_OUTPUTS - MEMBER_SUCCESSOR, dtype=torch.int64))
+            parts.append(self._outputs_part(hist, count, host.group, sampled, est_table))
         if host.width > 0:
-            _, _, e, v, _, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
+            parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table))
+        for _, _, e, v, _, m in parts:
             est.append(e)
             valid.append(v)
-            group.append((member - MEMBER_SUCCESSOR).clamp(min=0))
-        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), torch.cat(group, 1),
-                         MEMBER_OUTPUTS - MEMBER_SUCCESSOR + 1, self.n - 1)
+            member.append(m)
+        group = (torch.cat(member, 1) - MEMBER_SUCCESSOR).clamp(min=0)
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), group, MEMBER_OUTPUTS - MEMBER_SUCCESSOR + 1,
+                         self.n - 1)
         if not self.config.draft_nodes:
             floor = torch.full_like(floor, math.inf)
         return floor

@@ -37,6 +37,7 @@ __all__ = [
     "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
     "path_min", "sentinel_parents", "pointer_rounds", "order_key", "top_mask", "eagle_rerank", "eagle_step",
+    "HASH_MIX", "HASH_ADD", "HASH_POW",
     "tree_from_selection",
 ]
 
@@ -107,6 +108,11 @@ def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
 
 
 IDX_BITS = 20  #: low bits of `order_key` holding the (inverted) column index
+#: Constants of the int64 polynomial token hashes (graft.path_hashes, retrieval/output_ring.py):
+#: a token (or tag) enters as ``x * HASH_MIX + HASH_ADD``, a sequence as ``h * HASH_POW + x``.
+HASH_MIX = -7046029254386353131        # 0x9E3779B97F4A7C15 as int64
+HASH_ADD = 0x632BE59BD9B4E019
+HASH_POW = 0x5851F42D4C957F2D          # odd 63-bit multiplier
 
 
 def order_key(values: torch.Tensor) -> torch.Tensor:

@@ -34,21 +34,21 @@ from typing import Hashable, Sequence
 
 import torch
 
+from ..tree import HASH_ADD, HASH_MIX, HASH_POW
+
 __all__ = ["CHAINS", "MATCH_LENGTHS", "OutputRing"]
 
 #: Chains proposed per row (`OutputRing.propose`).
 CHAINS = 2
 #: Context-tail lengths matched (those <= max_match are used); the longest verified one wins.
 MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-_MIX = -7046029254386353131        # 0x9E3779B97F4A7C15 as int64
-_POW = 0x5851F42D4C957F2D          # odd multiplier of the polynomial m-gram hash
 
 
 def _mgram_hash(windows: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
     """``int64[...]`` hash of the last dimension's tokens and the group tag (int64 arithmetic wraps)."""
-    h = tags.to(torch.int64) * _MIX + 0x632BE59BD9B4E019
+    h = tags.to(torch.int64) * HASH_MIX + HASH_ADD
     for i in range(windows.shape[-1]):                      # m is small and fixed per call
-        h = h * _POW + windows[..., i]
+        h = h * HASH_POW + windows[..., i]
     return h ^ (h >> 29)
 
 
