@@ -74,7 +74,7 @@ class _Timing:
 class _Choice:
     width: int
     batch_size: int
-    reason: str                      # "explore", "best", "opt-out"
+    reason: str                      # "explore", "best", "opt-out", "schedule"
     values: Dict[int, float] = field(default_factory=dict)
 
 
@@ -85,7 +85,7 @@ class BatchBudget:
         widths: the allowed per-request verify widths, strictly increasing, root included.
         config: `BatchBudgetConfig` (exploration and averaging).
     Raises:
-        ValueError: empty or unsorted ``widths``.
+        ValueError: empty or unsorted ``widths``, or a ``config.schedule`` width outside them.
     """
 
     def __init__(self, widths: Sequence[int], config: Optional[BatchBudgetConfig] = None):
@@ -94,6 +94,8 @@ class BatchBudget:
             raise ValueError(f"BatchBudget: widths={list(widths)} must be strictly increasing, >= 1")
         self.widths = widths
         self.config = config or BatchBudgetConfig()
+        if set(self.config.schedule) - set(widths):
+            raise ValueError(f"BatchBudget: schedule={list(self.config.schedule)} has widths outside {list(widths)}")
         self._col = {w: i for i, w in enumerate(widths)}
         self._timing: Dict[Tuple[int, int], _Timing] = {}
         self._rounds: Dict[int, int] = {}
@@ -104,6 +106,7 @@ class BatchBudget:
         self._observed = 0.0
         self.rounds_by_width: Dict[int, int] = {w: 0 for w in widths}
         self.last: Optional[_Choice] = None
+        self._scheduled = 0           # rounds taken from ``config.schedule``
 
     # ------------------------------------------------------------------ decisions
     @property
@@ -138,6 +141,9 @@ class BatchBudget:
         speculate = [True] * bs if speculate is None else [bool(s) for s in speculate]
         if not any(speculate):
             return self._pick(self.widths[0], bs, "opt-out")
+        if self.config.schedule:
+            self._scheduled += 1
+            return self._pick(self.config.schedule[(self._scheduled - 1) % len(self.config.schedule)], bs, "schedule")
         bucket = size_bucket(bs)
         r = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
         cfg = self.config

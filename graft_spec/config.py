@@ -252,6 +252,12 @@ class BatchBudgetConfig(BaseModel):
             not the current best (exploration cost: 1 round in ``explore_every``).
         min_samples: round times measured per (batch-size bucket, width) before it is compared.
         time_window: round times per (batch-size bucket, width) whose median is the width's cost.
+        defer_draft_extend: plain (width-1) rounds skip the EAGLE draft extend; the draft catches
+            up over the skipped tokens in one extend before the next drafting round (or when a
+            request has ``max(widths)`` waiting). false = SGLang's behaviour, an extend every round.
+        schedule: a fixed cycle of verify widths, one per decode round, instead of the budget's
+            choice (to replay a width sequence exactly: tests, benchmarks); () = the budget chooses.
+            Each must be one of the widths.
     """
 
     model_config = _STRICT
@@ -261,6 +267,8 @@ class BatchBudgetConfig(BaseModel):
     explore_every: int = Field(default=64, ge=2, le=1_000_000)
     min_samples: int = Field(default=3, ge=1, le=1000)
     time_window: int = Field(default=16, ge=1, le=4096)
+    defer_draft_extend: bool = True
+    schedule: tuple[int, ...] = ()
 
 
 class GraftConfig(BaseModel):
@@ -319,6 +327,10 @@ class GraftConfig(BaseModel):
                 raise ValueError(f"batch_budget.widths={list(widths)} must be strictly increasing")
             if widths[0] < 1 or widths[-1] > n:
                 raise ValueError(f"batch_budget.widths={list(widths)} must lie in 1..num_draft_tokens={n}")
+        unknown = sorted(set(self.batch_budget.schedule) - set(self.verify_widths))
+        if unknown:
+            raise ValueError(f"batch_budget.schedule: widths {unknown} are not among the verify widths "
+                             f"{list(self.verify_widths)}")
         return self
 
     @property

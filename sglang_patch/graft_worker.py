@@ -32,7 +32,9 @@ times measured here, launch to launch) and switches SGLang's runtime state to it
 (`sglang_patch.verify_widths`). Width 1 is a plain decode step: SGLang skips drafting
 (``steps = 0``) and `_build_trivial_verify_input` lays out a root-only tree, so the round's
 bookkeeping runs as for any other. Requests with ``custom_params: {"graft_speculate": false}`` get no
-candidates and count as gaining nothing.
+candidates and count as gaining nothing. Plain rounds skip the EAGLE draft extend; the draft
+catches up over the skipped tokens in one extend before the next drafting round
+(`sglang_patch.deferred_draft`, ``batch_budget.defer_draft_extend``).
 
 With tensor parallelism every rank builds its own tree, then the first rank's is broadcast to all
 (`StepOutput.pack`, one collective), and the eager stop gate's decision per depth is the first
@@ -41,7 +43,8 @@ their host state (tests/test_sglang_tp.py perturbs one rank on purpose).
 
 SGLang globals rebound for the length of a call (``_rebound``): ``eagle_worker_v2.organize_draft_results``
 (:919), ``eagle_worker_v2.select_top_k_tokens`` (:812, eager with a gate), ``eagle_worker_v2
-.build_eagle_verify_input`` (:717), and the draft runner's ``forward`` (eager counting / skipping).
+.build_eagle_verify_input`` (:717), the draft runner's ``forward`` (eager counting / skipping), and
+in plain rounds the draft worker's ``_draft_extend_for_decode`` (:1110, deferred).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from graft_spec.prune import DraftStopGate
 from graft_spec.retrieval.buffer import HostCandidates
 from graft_spec.step import StepOutput, dense_draft_candidates
 from sglang_patch.args import effective_graft_config
+from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from sglang_patch.metrics import GraftStats, prometheus_enabled
@@ -335,6 +339,9 @@ class GraftWorker(EAGLEWorkerV2):
         #: the batch budget (None: one width, N, every round)
         self.budget = BatchBudget(widths, self.config.batch_budget) if len(widths) > 1 else None
         self.width_states = WidthStates(self)
+        #: plain rounds' skipped draft extends and their catch-up (None: every plain round extends)
+        self.deferred = (DeferredDraftExtend(max(widths), self.device)
+                         if self.budget is not None and self.config.batch_budget.defer_draft_extend else None)
         #: the graft step's CUDA graphs (`init_cuda_graphs`; None: the step runs eagerly)
         self.step_graphs: Optional[StepGraphs] = None
         self._launch: Optional[tuple] = None        # (width, batch size, perf_counter) of the last decode launch
@@ -455,8 +462,11 @@ class GraftWorker(EAGLEWorkerV2):
                 self._choose_width(batch)
             else:
                 self._launch = None  # a prefill in between: the next decode launch is not a round time
-        return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
-                                                pp_proxy_tensors=pp_proxy_tensors)
+        defer = (contextlib.nullcontext() if not decode or self.deferred is None or self.speculative_num_steps
+                 else _rebound(self._draft_worker, "_draft_extend_for_decode", self._defer_draft_extend))
+        with defer:
+            return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                                                    pp_proxy_tensors=pp_proxy_tensors)
 
     def _choose_width(self, batch) -> None:
         now = time.perf_counter()
@@ -468,6 +478,10 @@ class GraftWorker(EAGLEWorkerV2):
         group = self.tp_group()
         if group is not None:
             width = agree_width(group, width)
+        counts = self.deferred.plan([r.rid for r in reqs], width) if self.deferred is not None else None
+        if counts is not None:
+            self.width_states.activate(self.deferred.width)
+            self.deferred.catch_up(self._draft_worker, batch, counts, self.req_to_token_pool.req_to_token)
         self.width_states.activate(width)
         self.stats.record_width(width, len(reqs))
         self._launch = (width, len(reqs), now)
@@ -484,6 +498,18 @@ class GraftWorker(EAGLEWorkerV2):
         out = self.planner.plain(batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64), batch.seq_lens)
         return _layout(out, batch, self._target_worker, _ev2.default_tree_mask_mode(), self.topk, 0)
 
+    def _defer_draft_extend(self, batch, batch_result, *, kv_loc_plan=None) -> None:
+        """Stands in for ``EagleDraftWorker._draft_extend_for_decode`` in a plain round: the extend's
+        inputs wait in `DeferredDraftExtend` and the next draft input gets SGLang's shape-valid
+        stubs (``_stub_skipped_draft_extend``, eagle_worker_v2.py:1733); the catch-up before the next
+        drafting round replaces them."""
+        del kv_loc_plan
+        if not batch.forward_mode.is_idle():
+            self.deferred.record(batch.req_pool_indices, batch_result.next_token_ids,
+                                 batch_result.logits_output.hidden_states,
+                                 self.req_to_token_pool.req_to_token.shape[0])
+        self._stub_skipped_draft_extend(batch, batch_result)
+
     def live_graft_requests(self) -> int:
         """Requests currently holding graft state (tests, logs)."""
         return self.requests.live()
@@ -498,6 +524,9 @@ class GraftWorker(EAGLEWorkerV2):
         first = result.next_token_ids.reshape(-1).to(torch.int64)
         self._slots()
         slots = batch.req_pool_indices
+        if self.deferred is not None:  # the prefill ran its own draft extend
+            self.deferred.reset(slots)
+            self.deferred.forget([r.rid for r in batch.reqs])
         # each request's context (host lists; prefill only, not the decode path), then its first token
         window = self.planner.history.length
         ctx = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]

@@ -25,7 +25,8 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
                    each source proposed), acceptance_by_depth, draft_forwards {run, skipped}
                    (also as draft_steps), verify_widths {width: rounds}, last_batch_verify_tokens;
                    batch_budget (``graft_spec.budget.BatchBudget.summary``: widths, rounds_by_width,
-                   last choice, correction, round_ms per batch-size bucket and width, or
+                   last choice, correction, round_ms per batch-size bucket and width,
+                   deferred_draft_extend {skipped (request-rounds), catch_ups, memory_bytes}, or
                    {"enabled": false}); accepted_by_source {draft, retrieved, padding};
                    config caps (suffix_max_nodes, suffix_max_depth, successor_k)
 
@@ -131,6 +132,10 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
         out["accepted_by_source"] = {k: v for k, v in stats["accepted_tokens"].items() if k != "bonus"}
     budget = _safe(lambda: worker.budget)
     out["batch_budget"] = _safe(lambda: budget.summary()) if budget is not None else {"enabled": False}
+    deferred = _safe(lambda: worker.deferred)
+    if deferred is not None and isinstance(out["batch_budget"], dict):
+        out["batch_budget"]["deferred_draft_extend"] = {
+            "skipped": deferred.deferred, "catch_ups": deferred.catch_ups, "memory_bytes": deferred.memory_bytes()}
     cfg = _safe(lambda: planner.config.retrieval)
     if cfg is not None:
         out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,

@@ -184,6 +184,17 @@ def test_budget_opt_out():
     assert exp[1].tolist() == [1.0, 1.0, 1.0]
 
 
+def test_budget_schedule_replays_a_fixed_width_cycle():
+    b = BatchBudget((1, 12, 24), BatchBudgetConfig(schedule=(1, 1, 24)))
+    got = [b.choose(["a", "b"]) for _ in range(7)]
+    assert got == [1, 1, 24, 1, 1, 24, 1] and b.last.reason == "schedule"
+    assert b.choose(["a"], [False]) == 1 and b.last.reason == "opt-out"   # opt-out still wins
+    with pytest.raises(ValidationError, match="batch_budget.schedule: widths \\[8\\]"):
+        GraftConfig(batch_budget={"schedule": [1, 8]})
+    with pytest.raises(ValueError, match="schedule"):
+        BatchBudget((1, 24), BatchBudgetConfig(schedule=(12,)))
+
+
 def test_budget_rejects_bad_widths():
     for bad in ((), (12, 1), (0, 4)):
         with pytest.raises(ValueError, match="widths"):

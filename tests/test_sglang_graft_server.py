@@ -344,6 +344,40 @@ class TestBatchBudget:
         assert set(out["meta_info"]["graft_src"]) <= {"t", "p"}, out["meta_info"]["graft_src"]
 
 
+class TestDeferredDraftExtend:
+    """Plain rounds skip the EAGLE draft extend and the draft catches up before the next drafting
+    round (``batch_budget.defer_draft_extend``): replayed over the same width sequence (a fixed
+    schedule: three plain rounds, then one of N), deferral on and off give the same outputs and the
+    draft's proposals are accepted as often - the catch-up left the draft where per-round extends
+    would have."""
+
+    # retrieval off: the draft alone fills the tree, so its acceptance is what the test sees
+    SCHEDULE = {"GRAFTCFG_BATCH_BUDGET__SCHEDULE": "[1, 1, 1, 24]", "GRAFT_SGLANG_CPU_OVERLAP": "1",
+                "GRAFTCFG_RETRIEVAL__SUFFIX": "false", "GRAFTCFG_RETRIEVAL__SUCCESSOR": "false",
+                "GRAFTCFG_RETRIEVAL__LOOKUP": "false"}
+
+    @pytest.fixture(scope="class")
+    def runs(self, reference):
+        out = {}
+        for defer in ("true", "false"):
+            env = {**self.SCHEDULE, "GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": defer}
+            with serve(QUICK / "target", [*COMMON, *GRAFT], name=f"graft_defer_{defer}", env=env) as srv:
+                outs = _run(srv.url, 1)
+                out[defer] = (outs, _worker_stats(srv.url))
+        return out
+
+    def test_same_outputs_and_draft_acceptance(self, runs, reference, record_property):
+        (on, info_on), (off, info_off) = runs["true"], runs["false"]
+        assert not _mismatches(on, reference) and not _mismatches(off, reference)
+        d_on, d_off = info_on["accepted_tokens"]["draft"], info_off["accepted_tokens"]["draft"]
+        deferred = info_on["batch_budget"]["deferred_draft_extend"]
+        record_property("deferred_draft_extend", json.dumps({"draft_accepted": [d_on, d_off], **deferred}))
+        print(f"\nSGLANG-GRAFT-DEFER draft accepted {d_on} (deferred) vs {d_off} (per round)", json.dumps(deferred))
+        assert deferred["catch_ups"] > 0 and deferred["skipped"] > 0
+        assert "deferred_draft_extend" not in info_off["batch_budget"]
+        assert d_off > 100 and abs(d_on - d_off) <= 0.05 * d_off
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--speculative-eagle-topk", "1"], "topk = 1"),
     (["--graft-checkpoints", "[{depth: 1, threshold: 1.2, keep: 4}]"], "checkpoints.0.threshold = 1.2"),

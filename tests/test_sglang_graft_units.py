@@ -521,3 +521,61 @@ def test_server_start_retries_a_taken_port(tmp_path):
     with pytest.raises(ServerStartError, match=r"\(1 tries\)"):
         srv.start()
     assert len(set(srv.ports)) == 1
+
+
+def test_deferred_draft_extend_plans_catch_ups_on_the_host():
+    from sglang_patch.deferred_draft import DeferredDraftExtend
+
+    d = DeferredDraftExtend(width=3, device="cpu")
+    assert d.plan(["a", "b"], 1) is None                    # plain rounds: nothing waits yet
+    assert d.plan(["a", "b"], 1) is None and d.pending == {"a": 2, "b": 2}
+    assert d.plan(["a", "b", "c"], 12) == [2, 2, 0]          # a drafting round catches up first
+    assert d.pending == {}
+    for _ in range(3):
+        assert d.plan(["a"], 1) is None
+    assert d.plan(["a"], 1) == [3] and d.pending == {"a": 1}  # a full window catches up in plain rounds too
+    d.forget(["a"])
+    assert d.plan(["a"], 24) is None                          # a re-prefilled request waits for nothing
+
+
+def test_deferred_draft_extend_catch_up_window():
+    """The catch-up runs SGLang's draft extend with the window moved back to the first waiting
+    position, the waiting tokens and hidden states in row order, padding written to slot 0, and
+    gives the waiting rows the extend's next-step top-k; the batch is restored."""
+    from sglang_patch.deferred_draft import DeferredDraftExtend
+
+    n, hid, topk = 4, 3, 2
+    d = DeferredDraftExtend(width=n, device="cpu")
+    req_to_token = torch.arange(4 * 32).reshape(4, 32) + 1000           # slot of (pool row, position)
+    slots = torch.tensor([2, 0])
+    # row 0 (pool row 2) waits with 3 tokens, row 1 (pool row 0) with none
+    for step in range(3):
+        d.record(slots[:1], torch.tensor([10 + step]), torch.full((1, hid), float(step)), pool=4)
+    seen = {}
+
+    def extend(batch, result, *, kv_loc_plan=None):
+        seen.update(seq_lens=batch.seq_lens.clone(), loc=batch.out_cache_loc.clone(),
+                    accept=result.accept_lens.clone(), ids=result.prepared_draft_extend_inputs[2].clone(),
+                    select=result.prepared_draft_extend_inputs[1].clone(),
+                    hidden=result.logits_output.hidden_states.clone(), cpu=batch.seq_lens_cpu.clone())
+        batch.forward_mode = "DRAFT_EXTEND_V2"
+        result.next_draft_input.topk_p = torch.ones(2, topk)
+        result.next_draft_input.topk_index = torch.full((2, topk), 7)
+        result.next_draft_input.hidden_states = torch.full((2, 5), 9.0)
+
+    spec = SimpleNamespace(topk_p=torch.zeros(2, topk), topk_index=torch.zeros(2, topk, dtype=torch.int64),
+                           hidden_states=torch.zeros(2, 5))
+    batch = SimpleNamespace(req_pool_indices=slots, seq_lens=torch.tensor([20, 9]), seq_lens_cpu=torch.tensor([20, 9]),
+                            seq_lens_sum=29, out_cache_loc=torch.tensor([5, 6], dtype=torch.int64), spec_info=spec,
+                            forward_mode="DECODE", input_ids=None, prefix_lens=None, extend_lens=None,
+                            extend_num_tokens=None)
+    d.catch_up(SimpleNamespace(_draft_extend_for_decode=extend), batch, [3, 0], req_to_token)
+    assert seen["seq_lens"].tolist() == [17, 9] and seen["cpu"].tolist() == [17, 9]
+    assert seen["accept"].tolist() == [3, 0]
+    assert seen["loc"].tolist() == [1000 + 2 * 32 + 17, 1000 + 2 * 32 + 18, 1000 + 2 * 32 + 19, 0, 0, 0, 0, 0]
+    assert seen["ids"][:3].tolist() == [10, 11, 12] and seen["select"].tolist() == [2, 4]
+    assert seen["hidden"][:3, 0].tolist() == [0.0, 1.0, 2.0]
+    assert batch.forward_mode == "DECODE" and batch.seq_lens.tolist() == [20, 9] and batch.seq_lens_sum == 29
+    assert batch.out_cache_loc.tolist() == [5, 6] and batch.spec_info is spec
+    assert spec.topk_index.tolist() == [[7, 7], [0, 0]] and spec.hidden_states[:, 0].tolist() == [9.0, 0.0]
+    assert d.count.tolist() == [0, 0, 0, 0] and d.catch_ups == 1
