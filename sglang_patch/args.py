@@ -390,9 +390,11 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
     ``sa`` is SGLang's write-recording stand-in (``overrides.py:138``): plain attribute writes to
     ServerArgs fields become declarations. Custom algorithms get none of EAGLE's defaults
     (``speculative_hook.py:1072``), so this sets them: tree shape (from the graft config),
-    ``max_running_requests`` (48, like EAGLE), mixed chunk off, and on CPU the overlap scheduler off
-    unless ``GRAFT_SGLANG_CPU_OVERLAP=1`` (as SGLang does for EAGLE, ``speculative_hook.py:66``);
-    elsewhere the overlap scheduler stays SGLang's default (on).
+    ``max_running_requests`` (48, like EAGLE), mixed chunk off. The overlap scheduler stays SGLang's
+    default (on) on every device, CPU included: SGLang turns it off for its own speculative
+    algorithms on CPU (``speculative_hook.py:66``), but graft's CPU runs are a proxy for the GPU path,
+    which runs overlap; ``--disable-overlap-schedule`` gives the synchronous loop, as for any server
+    (docs/sglang_cpu.md "Overlap scheduler").
 
     Raises:
         GraftSettingsError: missing draft model, ``topk == 1``, rejection sampling, pipeline
@@ -432,13 +434,6 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
         sa.enable_mixed_chunk = False
         logger.warning("graft: mixed chunked prefill disabled (a mixed step would run running "
                        "requests as plain decodes)")
-    if getattr(sa, "device", None) == "cpu" and not getattr(sa, "disable_overlap_schedule", False):
-        from sglang_patch.cpu.overlap import overlap_requested
-
-        if not overlap_requested():  # what SGLang does for EAGLE on CPU (speculative_hook.py:66)
-            sa.disable_overlap_schedule = True
-            logger.warning("graft: overlap scheduler off on CPU, as SGLang does for EAGLE "
-                           "(GRAFT_SGLANG_CPU_OVERLAP=1 keeps it on)")
     logger.info("graft: num_draft_tokens=%d topk=%d depth=%d checkpoints=%d retrieval=%s",
                 cfg.num_draft_tokens, cfg.topk, cfg.depth, len(cfg.checkpoints),
                 ",".join(s for s in _RETRIEVAL_SOURCES if getattr(cfg.retrieval, s)) or "none")

@@ -503,11 +503,10 @@ class GraftWorker(EAGLEWorkerV2):
         inputs wait in `DeferredDraftExtend` and the next draft input gets SGLang's shape-valid
         stubs (``_stub_skipped_draft_extend``, eagle_worker_v2.py:1733); the catch-up before the next
         drafting round replaces them."""
-        del kv_loc_plan
-        if not batch.forward_mode.is_idle():
-            self.deferred.record(batch.req_pool_indices, batch_result.next_token_ids,
-                                 batch_result.logits_output.hidden_states,
-                                 self.req_to_token_pool.req_to_token.shape[0])
+        del kv_loc_plan  # bound for decode rounds only (`forward_batch_generation`), never idle ones
+        self.deferred.record(batch.req_pool_indices, batch_result.next_token_ids,
+                             batch_result.logits_output.hidden_states,
+                             self.req_to_token_pool.req_to_token.shape[0])
         self._stub_skipped_draft_extend(batch, batch_result)
 
     def live_graft_requests(self) -> int:

@@ -2,9 +2,10 @@
 
 Server starts, one fixture each: the target without speculation (reference outputs), EAGLE-3 with the
 same tree shape (accept-length comparison), graft with no graft config but the batch budget off (N
-verified every step, the same budget as EAGLE-3; ``--enable-metrics``), graft under the overlap
-scheduler (``GRAFT_SGLANG_CPU_OVERLAP=1``, also N every step), and graft exactly as a new user gets it
-(no config: batch budget on) under the overlap scheduler, SGLang's default on GPUs.
+verified every step, the same budget as EAGLE-3; ``--enable-metrics``; the synchronous scheduler,
+``--disable-overlap-schedule``), graft under the overlap scheduler (SGLang's default, which graft keeps
+on CPU too; also N every step), and graft exactly as a new user gets it (no config: batch budget on,
+overlap).
 
 What must hold:
 * greedy graft outputs are token-for-token the no-speculation outputs, for 24 HumanEval prompts, at
@@ -115,8 +116,10 @@ FIXED_N = {"GRAFTCFG_BATCH_BUDGET__ENABLED": "false"}
 
 @pytest.fixture(scope="module")
 def graft(reference):
-    """Graft with no graft config file (calibrated expected-gain trees) and N every step, metrics on."""
-    with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft", env=FIXED_N) as srv:
+    """Graft with no graft config file (calibrated expected-gain trees) and N every step, metrics on,
+    under the synchronous scheduler (the overlap one is `TestOverlapScheduler`'s)."""
+    with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics", "--disable-overlap-schedule"], name="graft",
+               env=FIXED_N) as srv:
         yield srv
 
 
@@ -239,12 +242,12 @@ def test_request_state_is_freed_after_finish_and_abort(graft, graft_code_c1):
 
 
 class TestOverlapScheduler:
-    """The same server under SGLang's overlap scheduler (its default on GPUs; opted in on CPU)."""
+    """The same server under SGLang's overlap scheduler (its default; graft keeps it on CPU too)."""
 
     @pytest.fixture(scope="class")
     def overlap(self, reference):
         with serve(QUICK / "target", [*COMMON, *GRAFT], name="graft_overlap",
-                   env={"GRAFT_SGLANG_CPU_OVERLAP": "1", **FIXED_N}) as srv:
+                   env=FIXED_N) as srv:
             yield srv
 
     @pytest.fixture(scope="class")
@@ -279,7 +282,7 @@ class TestOutputIndex:
 
     @pytest.fixture(scope="class")
     def passes(self, reference):
-        env = {"GRAFT_SGLANG_CPU_OVERLAP": "1", "GRAFTCFG_RETRIEVAL__OUTPUTS": "true", **FIXED_N}
+        env = {"GRAFTCFG_RETRIEVAL__OUTPUTS": "true", **FIXED_N}
         with serve(QUICK / "target", [*COMMON, *GRAFT], name="graft_outputs", env=env) as srv:
             first = _run(srv.url, 1)
             cal_first = _worker_stats(srv.url)["calibration"]["outputs"]
@@ -307,8 +310,7 @@ class TestBatchBudget:
 
     @pytest.fixture(scope="class")
     def budget(self, reference):
-        with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft_budget",
-                   env={"GRAFT_SGLANG_CPU_OVERLAP": "1"}) as srv:
+        with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft_budget") as srv:
             yield srv
 
     @pytest.fixture(scope="class")
@@ -352,7 +354,7 @@ class TestDeferredDraftExtend:
     would have."""
 
     # retrieval off: the draft alone fills the tree, so its acceptance is what the test sees
-    SCHEDULE = {"GRAFTCFG_BATCH_BUDGET__SCHEDULE": "[1, 1, 1, 24]", "GRAFT_SGLANG_CPU_OVERLAP": "1",
+    SCHEDULE = {"GRAFTCFG_BATCH_BUDGET__SCHEDULE": "[1, 1, 1, 24]",
                 "GRAFTCFG_RETRIEVAL__SUFFIX": "false", "GRAFTCFG_RETRIEVAL__SUCCESSOR": "false",
                 "GRAFTCFG_RETRIEVAL__LOOKUP": "false"}
 

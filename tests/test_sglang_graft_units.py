@@ -140,14 +140,17 @@ def test_server_defaults_are_declared(sglang_plugins):
     assert view.speculative_eagle_topk == 3 and view.speculative_num_steps == 3
     assert view.max_running_requests == 48
     assert view.enable_mixed_chunk is False
-    # the overlap scheduler stays SGLang's default (on), except on CPU unless opted in, as for EAGLE
+    # the overlap scheduler stays SGLang's default (on)
     assert view.disable_overlap_schedule is False
 
 
-@pytest.mark.parametrize("opt_in, disabled", [("", True), ("1", False)])
-def test_overlap_on_cpu_follows_sglang_unless_opted_in(sglang_plugins, monkeypatch, opt_in, disabled):
+@pytest.mark.parametrize("opt_in", ["", "1"])
+@pytest.mark.parametrize("flag, disabled", [([], False), (["--disable-overlap-schedule"], True)])
+def test_overlap_on_cpu_is_sglang_default_for_graft(sglang_plugins, monkeypatch, opt_in, flag, disabled):
+    """On CPU graft keeps the overlap scheduler (the GPU path) whatever the EAGLE / NGRAM opt-in says;
+    ``--disable-overlap-schedule`` still turns it off."""
     monkeypatch.setenv("GRAFT_SGLANG_CPU_OVERLAP", opt_in)
-    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--device", "cpu"])
+    sa = sglang_plugins([*MODEL_ARGS, "--speculative-algorithm", "graft", "--device", "cpu", *flag])
     assert _declared(sa, environ={}).disable_overlap_schedule is disabled
 
 
