@@ -39,6 +39,22 @@ two single-source estimates instead underprices it (measured: greedy code tau -4
 docs/bench/issue12_quick_draft_only_credit.json). When a bin reaches ``halve_at`` trials its
 counts are halved, so the estimate tracks drift with a memory of a few thousand trials.
 
+**Source correction.** A bin learns slowly where it is sparse or its history is long, and a whole
+source can change its acceptance at once: when the output index starts to hold earlier answers to the
+prompts now being served, every outputs / successor node becomes likelier than its bin remembers
+(quick pair, the server test's second pass over the same 24 prompts: outputs 0.77 estimated vs 0.93
+observed, successor 0.72 vs 0.98, each bin still averaging the first pass). So each (mode, member)
+keeps a short window (``source_window`` trials, halved beyond) of its verified nodes' trials ``T``,
+sum of bin estimates ``E`` and hits ``H``, and its bins' estimates ``b`` are corrected linearly so
+that the window's mean estimate equals its observed rate: ``b * (H + a) / (E + a)`` where the
+source is over-estimated (scales hits, never above ``b``), ``1 - (1 - b) * (T - H + a) / (T - E + a)``
+where it is under-estimated (scales misses, never above 1); both are the identity when ``H = E``
+and monotone in ``b``, so the ranking within a source is the bins'. ``a`` (= 8) pseudo-trials of
+calibrated data (hits and misses at the window's estimated rate) keep a source with few trials at
+its bins' estimates. This is a one-parameter recalibration per source on
+top of the bins (Platt-style, but linear so that the mean is exact); on with the output index by
+default (``calibration.source_window``, where the measurement is).
+
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
 """
@@ -147,6 +163,8 @@ class Calibrator:
         successor_prior: ``float[T]`` prior path-acceptance of every successor template slot.
         prior_weight: pseudo-trials w of the prior (> 0).
         halve_at: a bin's counts are halved once its trials exceed this.
+        source_window: trials per (mode, member source) over which the source correction is
+            measured (halved beyond); 0 turns the correction off.
         device: where the tables live.
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
@@ -154,12 +172,23 @@ class Calibrator:
         member_stats: ``float64[NUM_MEMBERS, 3]`` cumulative (trials, sum of estimates, hits) of
             verified nodes per member source: mean estimated vs observed acceptance.
         depth_stats: ``float64[max_depth + 1, 2]`` cumulative (trials, hits) per node depth.
+        recent: ``float32[2 * NUM_MEMBERS + 1, 3]`` the source correction's window (trials, sum of
+            bin estimates, hits) per (mode, member); last row: dump.
+    Raises:
+        ValueError: ``prior_weight <= 0`` or ``source_window < 0``.
     """
 
+    #: Pseudo-trials of the source correction (module docstring).
+    SOURCE_PSEUDO_TRIALS = 8.0
+
     def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
-                 halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu"):
+                 halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu",
+                 source_window: float = 256.0):
         if prior_weight <= 0:
             raise ValueError("Calibrator: prior_weight must be > 0")
+        if source_window < 0:
+            raise ValueError("Calibrator: source_window must be >= 0")
+        self.source_window = float(source_window)
         self.layout, self.w, self.halve_at = layout, float(prior_weight), float(halve_at)
         self.device = torch.device(device)
         self.max_depth = max_depth
@@ -184,6 +213,21 @@ class Calibrator:
         self.trials = torch.zeros(n, device=self.device)
         self.member_stats = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64, device=self.device)
         self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
+        self._group = self._source_groups()
+        self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
+        self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
+
+    def _source_groups(self) -> torch.Tensor:
+        """``int64[size + 1]``: the (mode, member) row of `recent` every bin belongs to."""
+        lay = self.layout
+        sizes = {MEMBER_DRAFT: lay.draft_bins, MEMBER_SUCCESSOR: lay.template_size, MEMBER_AGREE: lay.draft_bins,
+                 **{m: lay.retrieval_bins for m in RETRIEVAL_MEMBERS}}
+        group = torch.full((lay.size + 1,), 2 * NUM_MEMBERS, dtype=torch.int64)
+        for mode in (0, 1):
+            for m, n in sizes.items():
+                first = mode * lay.per_mode + lay.offset(m)
+                group[first:first + n] = mode * NUM_MEMBERS + m
+        return group.to(self.device)
 
     # ------------------------------------------------------------------ bins
     def q_bin(self, logp: torch.Tensor) -> torch.Tensor:
@@ -271,7 +315,24 @@ class Calibrator:
             prev = (h[:, :, d] + self.w * prev * decay) / (t[:, :, d] + self.w)
             chained.append(prev)
         est = est.index_copy(0, self._retr_idx.reshape(-1), torch.stack(chained, dim=2).reshape(-1))
-        return torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
+        est = torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
+        self._base = est
+        return self._source_corrected(est)
+
+    def _source_corrected(self, base: torch.Tensor) -> torch.Tensor:
+        """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""
+        if self.source_window <= 0:
+            return base
+        a = self.SOURCE_PSEUDO_TRIALS
+        t, e, h = self.recent.unbind(1)
+        # a pseudo-trials of calibrated data (observed = estimated at the window's mean rate)
+        pe = a * e / t.clamp(min=1e-6)
+        pm = a - pe
+        seen = t >= 1.0
+        hits_scale = torch.where(seen, (h + pe) / (e + pe).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
+        miss_scale = torch.where(seen, (t - h + pm) / (t - e + pm).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
+        under = (h > e)[self._group]
+        return torch.where(under, 1.0 - (1.0 - base) * miss_scale, base * hits_scale)
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
@@ -300,6 +361,12 @@ class Calibrator:
         scale = torch.where(self.trials > self.halve_at, 0.5, 1.0)
         self.trials.mul_(scale)
         self.hits.mul_(scale)
+        if self.source_window > 0:  # the source correction's window, priced with the bins' own estimates
+            base = (self._base if self._base is not None else estimates).gather(0, flat)
+            self.recent.index_add_(0, self._group[flat],
+                                   torch.stack([valid.reshape(-1).float(), base * valid.reshape(-1), hit], dim=1))
+            self.recent[-1].fill_(0.0)
+            self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
         # metrics: per member source and per depth (cumulative, never halved)
         est = estimates.gather(0, flat).view_as(bins).double()
         v = valid.double()

@@ -222,6 +222,15 @@ class CalibrationConfig(BaseModel):
     Fields:
         prior_weight: pseudo-trials of each bin's prior (> 0); small = the data takes over fast.
         halve_at: a bin's counts are halved once its trials exceed this (memory for drift).
+        source_window: trials per member source (and mode) over which the source correction
+            measures its mean estimated vs observed acceptance (calibration.py "Source
+            correction"); 0 = off; None = 256 with the output index, else off. Quick pair, server
+            test workload (24 code prompts at c1, then again at c8; greedy, N 24, synchronous):
+            with the output index, mean estimated / observed per source after both passes went
+            from successor 0.52 / 0.62, outputs 0.57 / 0.66, agree 0.48 / 0.60 to 0.56 / 0.59,
+            0.66 / 0.70, 0.57 / 0.62, tau 10.97 -> 10.45 at c1 and 18.96 -> 19.20 at c8; without
+            the index every source was already within 0.015 with it (c1 tau 8.17; 8.21-8.26 without
+            it in earlier runs), so it is not on there.
         agreement: price and credit a draft node a retrieval source also proposed in agreement bins
             of its own instead of the draft bins (calibration.py); None = on exactly when
             ``retrieval.outputs`` is. With the output index the retrieved paths cover most draft
@@ -235,6 +244,7 @@ class CalibrationConfig(BaseModel):
 
     prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
     halve_at: float = Field(default=4096.0, ge=16.0)
+    source_window: Optional[float] = Field(default=None, ge=0.0)
     agreement: Optional[bool] = None
 
 
@@ -347,6 +357,13 @@ class GraftConfig(BaseModel):
         with the output index)."""
         a = self.calibration.agreement
         return self.retrieval.outputs if a is None else a
+
+    @property
+    def source_window(self) -> float:
+        """Trials of the calibration's source correction window (``calibration.source_window``;
+        None = 256 with the output index, else 0 = off)."""
+        w = self.calibration.source_window
+        return (256.0 if self.retrieval.outputs else 0.0) if w is None else float(w)
 
     # ------------------------------------------------------------------ loaders
     @classmethod

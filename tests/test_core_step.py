@@ -204,6 +204,42 @@ def test_calibration_settles_on_observed_rates():
     assert cal.estimates()[lower] <= cal.estimates()[bin1]
 
 
+@pytest.mark.parametrize("rate", [0.95, 0.05])
+def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
+    """A bin that learnt a source at 0.5 for a long time, then sees it accepted at ``rate``: the
+    source correction brings the source's mean estimate to the new rate within a few windows, in
+    either direction, while the bin itself still lags; another source and the other mode are not
+    moved; with ``source_window 0`` the estimate is the bin's. By default it is on with the output
+    index only."""
+    assert GraftConfig().source_window == 0 and GraftConfig(retrieval={"outputs": True}).source_window == 256
+    assert GraftConfig(retrieval={"outputs": True}, calibration={"source_window": 0}).source_window == 0
+    estimates = {}
+    for window in (256.0, 0.0):
+        cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration={"source_window": window})
+        cal = GraftPlanner(cfg, 50).calibrator
+        bins = torch.full((8, 2, NUM_MEMBERS), -1)
+        node = int(cal.retrieval_bins(torch.tensor([[MEMBER_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
+                                      torch.tensor([[8]]), torch.zeros(1, dtype=torch.bool)))
+        other = int(cal.retrieval_bins(torch.tensor([[MEMBER_SUFFIX]]), torch.tensor([[3]]), torch.zeros(1, 1),
+                                       torch.tensor([[8]]), torch.zeros(1, dtype=torch.bool)))
+        bins[:, 1, MEMBER_OUTPUTS] = node
+        gen = torch.Generator().manual_seed(0)
+        for p, rounds in ((0.5, 400), (rate, 64)):
+            for _ in range(rounds):
+                on_path = torch.stack([torch.ones(8, dtype=torch.bool), torch.rand(8, generator=gen) < p], dim=1)
+                cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.estimates())
+        est = cal.estimates()
+        estimates[window] = est[node].item()
+        base = cal._base[node].item()                           # the bin's own estimate
+        if window:
+            assert abs(base - rate) > 0.15                      # the bin alone still lags
+            assert est[node].item() == pytest.approx(rate, abs=0.05)
+            assert est[other] == cal._base[other] and est[cal.layout.per_mode + node] == cal._base[cal.layout.per_mode + node]
+        else:
+            assert est[node].item() == base
+    assert abs(estimates[256.0] - rate) < abs(estimates[0.0] - rate)
+
+
 def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
     """A draft node a retrieval source also proposed is an agreement node: its agreement bin (draft
     bin + the agree block's offset, prior sqrt of the draft prior) is credited, its draft bin is not;
@@ -244,8 +280,10 @@ def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
 
 def test_agreement_priors_follow_what_agreement_has_shown():
     """Agreement nodes accepted far above their ``sqrt(q)`` prior raise the estimate of agreement
-    bins never tried by the same ratio (per mode); draft bins and the other mode stay put."""
-    cal = GraftPlanner(GraftConfig(num_draft_tokens=6, topk=2, depth=2), 50).calibrator
+    bins never tried by the same ratio (per mode); draft bins and the other mode stay put. (The bins'
+    own estimates: the source correction, tested in test_core_graft.py, is off here.)"""
+    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration={"source_window": 0})
+    cal = GraftPlanner(cfg, 50).calibrator
     lay = cal.layout
     tried, untried = lay.offset(MEMBER_AGREE) + 5, lay.offset(MEMBER_AGREE) + 8
     before = cal.estimates()
