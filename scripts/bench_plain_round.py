@@ -5,9 +5,10 @@ opted out of speculation (``custom_params: {"graft_speculate": false}``), so eve
 the batch budget's width-1 round (SGLang's ``steps = 0`` path: a verify-mode forward of the root),
 with the draft extend deferred to a catch-up (``batch_budget.defer_draft_extend``, the default:
 one extend per ``N`` plain rounds here); and the same with SGLang's draft extend after every plain
-round (``defer_draft_extend: false``). Each sends the 20 dev code prompts (token-healed, repeated to
-``--requests``) with ``--concurrency`` in flight, ``ignore_eos`` and ``--max-tokens`` new tokens,
-after one warm-up wave; ``--repeats`` rounds of the three, interleaved (this machine's speed drifts
+round (``defer_draft_extend: false``). Graft runs SGLang's overlap scheduler (its default, kept on
+CPU) except in the ``_synchronous`` row (``--disable-overlap-schedule``). Each sends the 20 dev code
+prompts (token-healed, repeated to ``--requests``) with ``--concurrency`` in flight, ``ignore_eos``
+and ``--max-tokens`` new tokens, after one warm-up wave; ``--repeats`` rounds of the rows, interleaved (this machine's speed drifts
 between minutes). Prints one JSON line per server and the median ratios (docs/sglang_graft.md,
 "The batch budget").
 
@@ -31,23 +32,25 @@ from sglang_patch.bench.prompts import BenchPrompt, load_prompts  # noqa: E402
 from sglang_patch.launcher import SGLangServer  # noqa: E402
 from sglang_patch.verify_widths import OPT_OUT_KEY  # noqa: E402
 
-#: row name -> (graft?, server environment)
+#: row name -> (graft?, server environment, extra server arguments)
 ROWS = {
-    "nospec": (False, {}),
-    "graft_plain_deferred_extend": (True, {"GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": "true"}),
-    "graft_plain_extend_every_round": (True, {"GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": "false"}),
+    "nospec": (False, {}, []),
+    "graft_plain_deferred_extend": (True, {"GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": "true"}, []),
+    "graft_plain_deferred_extend_synchronous": (True, {"GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": "true"},
+                                                ["--disable-overlap-schedule"]),
+    "graft_plain_extend_every_round": (True, {"GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": "false"}, []),
 }
 
 
 def run(models: Path, row: str, prompts: list[BenchPrompt], concurrency: int, max_tokens: int) -> dict:
     """tokens/s of one server over ``prompts`` (after a warm-up wave of ``concurrency`` requests)."""
-    graft, env = ROWS[row]
+    graft, env, extra = ROWS[row]
     method = (MethodSpec("graft", "graft_n24", 24, 4, 4, str(models / "draft")) if graft
               else MethodSpec("nospec", "nospec"))
     params = {**sampling_params(max_tokens), "ignore_eos": True}
     if graft:
         params["custom_params"] = {OPT_OUT_KEY: False}
-    args = ["--dtype", "float32", "--max-running-requests", str(concurrency), *method.server_args()]
+    args = ["--dtype", "float32", "--max-running-requests", str(concurrency), *method.server_args(), *extra]
     with SGLangServer(str(models / "target"), args, env=env) as srv:
         run_prompts_sync(srv.url, prompts[:concurrency], concurrency, params)
         res = run_prompts_sync(srv.url, prompts, concurrency, params)
