@@ -46,12 +46,12 @@ prompts now being served, every outputs / successor node becomes likelier than i
 observed, successor 0.72 vs 0.98, each bin still averaging the first pass). So each (mode, member)
 keeps a short window (``source_window`` trials, halved beyond) of its verified nodes' trials ``T``,
 sum of bin estimates ``E`` and hits ``H``, and its bins' estimates ``b`` are corrected linearly so
-that the window's mean estimate equals its observed rate: ``b * (H + a) / (E + a)`` where the
-source is over-estimated (scales hits, never above ``b``), ``1 - (1 - b) * (T - H + a) / (T - E + a)``
-where it is under-estimated (scales misses, never above 1); both are the identity when ``H = E``
-and monotone in ``b``, so the ranking within a source is the bins'. ``a`` (= 8) pseudo-trials of
-calibrated data (hits and misses at the window's estimated rate) keep a source with few trials at
-its bins' estimates. This is a one-parameter recalibration per source on
+that the window's mean estimate equals its observed rate: ``b * (H + a e) / (E + a e)`` where the
+source is over-estimated (scales hits, never above ``b``), ``1 - (1 - b) * (T - H + a (1 - e)) /
+(T - E + a (1 - e))`` where it is under-estimated (scales misses, never above 1), with ``e = E / T``;
+both are the identity when ``H = E`` and monotone in ``b``, so the ranking within a source is the
+bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the window's estimated
+rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter recalibration per source on
 top of the bins (Platt-style, but linear so that the mean is exact); on with the output index by
 default (``calibration.source_window``, where the measurement is).
 
