@@ -8,9 +8,9 @@ one extend per ``N`` plain rounds here); and the same with SGLang's draft extend
 round (``defer_draft_extend: false``). Graft runs SGLang's overlap scheduler (its default, kept on
 CPU) except in the ``_synchronous`` row (``--disable-overlap-schedule``). Each sends the 20 dev code
 prompts (token-healed, repeated to ``--requests``) with ``--concurrency`` in flight, ``ignore_eos``
-and ``--max-tokens`` new tokens, after one warm-up wave; ``--repeats`` rounds of the rows, interleaved (this machine's speed drifts
-between minutes). Prints one JSON line per server and the median ratios (docs/sglang_graft.md,
-"The batch budget").
+and ``--max-tokens`` new tokens, after one warm-up wave; ``--repeats`` rounds of the rows,
+interleaved (this machine's speed drifts between minutes). Prints one JSON line per server and the
+median ratios (docs/sglang_graft.md, "The batch budget").
 
     .venv/bin/python scripts/bench_plain_round.py --json bench_out/plain_round.json
 """

@@ -281,7 +281,7 @@ def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
 def test_agreement_priors_follow_what_agreement_has_shown():
     """Agreement nodes accepted far above their ``sqrt(q)`` prior raise the estimate of agreement
     bins never tried by the same ratio (per mode); draft bins and the other mode stay put. (The bins'
-    own estimates: the source correction, tested in test_core_graft.py, is off here.)"""
+    own estimates: the source correction, tested above, is off here.)"""
     cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration={"source_window": 0})
     cal = GraftPlanner(cfg, 50).calibrator
     lay = cal.layout
