@@ -105,6 +105,8 @@ class BatchBudget:
         self._predicted = 0.0         # EMA of predicted accepted nodes (bonus excluded) per request-round
         self._observed = 0.0
         self.rounds_by_width: Dict[int, int] = {w: 0 for w in widths}
+        self.rounds_by_reason: Dict[str, int] = {}
+        self.seconds_by_width: Dict[int, float] = {w: 0.0 for w in widths}
         self.last: Optional[_Choice] = None
         self._scheduled = 0           # rounds taken from ``config.schedule``
 
@@ -161,6 +163,7 @@ class BatchBudget:
     def _pick(self, width: int, bs: int, reason: str, values: Optional[dict] = None) -> int:
         self.last = _Choice(width, bs, reason, values or {})
         self.rounds_by_width[width] += 1
+        self.rounds_by_reason[reason] = self.rounds_by_reason.get(reason, 0) + 1
         return width
 
     def _time(self, bucket: int, width: int) -> _Timing:
@@ -178,6 +181,7 @@ class BatchBudget:
         bucket = size_bucket(batch_size)
         t = self._time(bucket, width)
         t.window.append(float(seconds))
+        self.seconds_by_width[width] += float(seconds)
         t.samples += 1
         t.last_round = self._rounds.get(bucket, 0)
 
@@ -210,14 +214,17 @@ class BatchBudget:
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict:
-        """The ``/server_info`` view: widths, rounds per width, the last choice, the correction factor
-        and the measured round times (ms) per batch-size bucket and width."""
+        """The ``/server_info`` view: widths, rounds per width and per reason, wall seconds spent per
+        width, the last choice, the correction factor and the measured round times (ms) per
+        batch-size bucket and width."""
         times: Dict[str, Dict[str, float]] = {}
         for (bucket, w), t in sorted(self._timing.items()):
             if t.samples:
                 times.setdefault(str(bucket), {})[str(w)] = round(t.seconds * 1e3, 3)
         last = self.last
         return {"widths": list(self.widths), "rounds_by_width": {str(k): v for k, v in self.rounds_by_width.items()},
+                "rounds_by_reason": dict(self.rounds_by_reason),
+                "seconds_by_width": {str(k): round(v, 3) for k, v in self.seconds_by_width.items()},
                 "last_width": last.width if last else None, "last_batch_size": last.batch_size if last else None,
                 "last_batch_tokens": last.width * last.batch_size if last else None,
                 "last_reason": last.reason if last else None, "correction": round(self.correction, 4),

@@ -216,6 +216,7 @@ class Calibrator:
         self._group = self._source_groups()
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
         self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
+        self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
 
     def _source_groups(self) -> torch.Tensor:
         """``int64[size + 1]``: the (mode, member) row of `recent` every bin belongs to."""
@@ -317,7 +318,14 @@ class Calibrator:
         est = est.index_copy(0, self._retr_idx.reshape(-1), torch.stack(chained, dim=2).reshape(-1))
         est = torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
         self._base = est
-        return self._source_corrected(est)
+        self._latest = self._source_corrected(est)
+        return self._latest
+
+    def latest(self) -> torch.Tensor:
+        """The table the last `estimates` call returned (computed now if there was none): for a
+        round that prices nothing (a plain, width-1 round), which needs a table of the right shape
+        but not a fresh one."""
+        return self._latest if self._latest is not None else self.estimates()
 
     def _source_corrected(self, base: torch.Tensor) -> torch.Tensor:
         """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""

@@ -285,7 +285,7 @@ class GraftPlanner:
     def plain(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> StepOutput:
         """The root-only `StepOutput` of a plain decode round (verify width 1), so its bookkeeping
         (`observe`: token history) runs the same way as a speculative round's."""
-        return StepOutput.root_only(roots, seq_lens, self.calibrator.estimates())
+        return StepOutput.root_only(roots, seq_lens, self.calibrator.latest())
 
     def stop_gate(self, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
                   seq_lens: torch.Tensor, sampled: torch.Tensor) -> ExpectedGainGate:
@@ -313,7 +313,11 @@ class GraftPlanner:
             `RoundStats` (device tensors, for an engine to copy to the host off the critical path).
         """
         tree = out.tree
-        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
+        if tree.tokens.shape[1] > 1:
+            members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
+        else:  # a root-only tree credits nothing (the root has no member bins): skip the table ops
+            members = torch.zeros_like(self.calibrator.member_stats)
+            depths = torch.zeros_like(self.calibrator.depth_stats)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),

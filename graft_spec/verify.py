@@ -132,6 +132,9 @@ def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: tor
     on_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
     on_path[:, 0] = True
     bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+    if n == 1:  # a root-only tree (a plain decode round): the bonus is a draw from the root's distribution
+        bonus = torch.multinomial(target_probs[:, 0].float(), 1, generator=generator).squeeze(1)
+        return _finish(on_path, bonus, source)
     max_depth = int(node_depths(parents).max().item())
     for _ in range(max_depth + 1):
         p = target_probs[rows, cur].to(torch.float64)

@@ -237,6 +237,22 @@ def test_sampling_reproduces_target_distribution(processed):
     assert stats.by_source[SOURCE_DRAFT] > 1000 and retrieved_hits > 1000
 
 
+def test_root_only_sampling_draws_the_target_distribution():
+    """A plain decode round (N = 1) takes `sample_verify`'s one-draw path: the bonus follows the
+    root's target distribution (chi-square, rows drawn at once), a zero-probability token never."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    rows = 20000
+    gen = torch.Generator().manual_seed(0)
+    res = sample_verify(torch.zeros(rows, 1, dtype=torch.int64), torch.full((rows, 1), -1),
+                        (p * 3.0).expand(rows, 1, -1), generator=gen)   # unnormalised rows are fine
+    assert res.accept_length.eq(1).all() and res.accept_index[:, 0].eq(0).all()
+    counts = torch.bincount(res.bonus, minlength=p.numel()).double()
+    assert counts[-1] == 0
+    e = p[:-1].double() * rows
+    stat = float(((counts[:-1] - e) ** 2 / e).sum())
+    assert stat < critical(p.numel() - 2), stat
+
+
 def test_wrong_verifier_without_renormalisation_is_rejected():
     counts, exact, _, _ = decode_joint(wrong_no_renorm)
     stat, df = chi_square(counts, exact)
