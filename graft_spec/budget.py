@@ -21,9 +21,14 @@ width ``w`` for all requests from a small fixed set (``GraftConfig.verify_widths
   by the engine adapter between round launches (no device read: under the overlap scheduler the
   launch period is the round time). A median, not a moving average: a launch-to-launch time
   sometimes spans an idle gap or a first-use warm-up (seen: one 800 ms sample among 23-37 ms rounds
-  priced the full width out for the rest of a run). Each (bucket, width) is measured
-  ``min_samples`` times before it competes, and a width that is not the current best is re-measured
-  once every ``explore_every`` rounds of the bucket.
+  priced the full width out for the rest of a run). A (bucket, width) with fewer than
+  ``min_samples`` measurements is priced by a cost model fitted on all the others
+  (`BatchBudget.cost_model`: the bucket's plain-round time + a draft cost + a verify cost per extra
+  token), so a new batch size is not explored width by width: the base width is measured in every
+  bucket, further widths only until the model can be fitted, and after that a width runs when its
+  predicted value wins (and is then measured). A width that is not the current best is re-measured
+  once every ``explore_every`` rounds of the bucket if its value is within ``explore_margin`` of
+  the best's.
 * **Static shapes.** The width is uniform over the batch and comes from a fixed set, so each width
   is one CUDA-graph capture set (built at startup by the engine adapter); per-request allocation
   inside a round is by selection (a request whose candidates are worth little gets padding, which
@@ -109,6 +114,8 @@ class BatchBudget:
         self.seconds_by_width: Dict[int, float] = {w: 0.0 for w in widths}
         self.last: Optional[_Choice] = None
         self._scheduled = 0           # rounds taken from ``config.schedule``
+        self._model: Optional[Tuple[float, float]] = None
+        self._model_dirty = False
 
     # ------------------------------------------------------------------ decisions
     @property
@@ -149,16 +156,64 @@ class BatchBudget:
         bucket = size_bucket(bs)
         r = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
         cfg = self.config
-        pending = [w for w in reversed(self.widths) if self._time(bucket, w).samples < cfg.min_samples]
-        if pending:
-            return self._pick(min(pending, key=lambda w: self._time(bucket, w).samples), bs, "explore")
+        base = self.widths[0]
+        if self._time(bucket, base).samples < cfg.min_samples:      # the base width first (cheap)
+            return self._pick(base, bs, "explore")
+        model = self.cost_model()
+        if model is None:  # not enough measured widths to predict one: measure this bucket's own
+            pending = [w for w in reversed(self.widths) if self._time(bucket, w).samples < cfg.min_samples]
+            if pending:
+                return self._pick(min(pending, key=lambda w: self._time(bucket, w).samples), bs, "explore")
         gains = self.expected_accept(rids, speculate).sum(axis=0)
-        values = {w: float(gains[self._col[w]] / max(self._time(bucket, w).seconds, 1e-9)) for w in self.widths}
+        values = {w: float(gains[self._col[w]] / max(self.cost(bucket, w, model), 1e-9)) for w in self.widths}
         best = max(self.widths, key=lambda w: (values[w], -w))
-        if r % cfg.explore_every == 0 and len(self.widths) > 1:
-            stale = min((w for w in self.widths if w != best), key=lambda w: self._time(bucket, w).last_round)
-            return self._pick(stale, bs, "explore", values)
+        if r % cfg.explore_every == 0:
+            near = [w for w in self.widths if w != best and values[w] >= (1.0 - cfg.explore_margin) * values[best]]
+            if near:
+                stale = min(near, key=lambda w: self._time(bucket, w).last_round)
+                return self._pick(stale, bs, "explore", values)
         return self._pick(best, bs, "best", values)
+
+    def cost(self, bucket: int, width: int, model: Optional[Tuple[float, float]] = None) -> float:
+        """Seconds of one round at ``width`` for a batch in ``bucket``: the median of its own
+        measurements once it has ``min_samples``, else the `cost_model` prediction from the bucket's
+        base-width time (0 when neither exists)."""
+        t = self._time(bucket, width)
+        base = self._time(bucket, self.widths[0])
+        if t.samples >= self.config.min_samples or model is None or not base.samples:
+            return t.seconds
+        draft, per_token = model
+        return base.seconds + (draft if self.widths[0] == 1 else 0.0) + per_token * bucket * (width - self.widths[0])
+
+    def cost_model(self) -> Optional[Tuple[float, float]]:
+        """``(draft seconds, verify seconds per extra token)``: the least-squares fit, over every
+        measured (bucket, width > base) pair, of ``t(bucket, w) - t(bucket, base) = draft +
+        per_token * bucket * (w - base)`` (``draft`` is 0 when the base width drafts too; both >= 0).
+        None until two distinct token counts are measured (one cannot separate the two terms). One
+        width measured on a small batch prices every batch size, so a bucket is not explored width
+        by width (at 32 requests one 24-wide round costs ~8 plain ones on the 2-core CPU)."""
+        if self._model_dirty:
+            self._model_dirty = False
+            self._model = None
+            base, need = self.widths[0], self.config.min_samples
+            x, y = [], []
+            for (bucket, w), t in self._timing.items():
+                b0 = self._timing.get((bucket, base))
+                if w != base and t.samples >= need and b0 is not None and b0.samples >= need:
+                    x.append(float(bucket * (w - base)))
+                    y.append(t.seconds - b0.seconds)
+            if len(set(x)) >= 2:
+                xa, ya = np.asarray(x), np.asarray(y)
+                if base == 1:
+                    per_token, draft = np.polyfit(xa, ya, 1)
+                    if per_token < 0:
+                        per_token, draft = 0.0, float(ya.mean())
+                    if draft < 0:
+                        per_token, draft = float((xa * ya).sum() / (xa * xa).sum()), 0.0
+                else:
+                    per_token, draft = float((xa * ya).sum() / (xa * xa).sum()), 0.0
+                self._model = (max(float(draft), 0.0), max(float(per_token), 0.0))
+        return self._model
 
     def _pick(self, width: int, bs: int, reason: str, values: Optional[dict] = None) -> int:
         self.last = _Choice(width, bs, reason, values or {})
@@ -183,6 +238,7 @@ class BatchBudget:
         t.window.append(float(seconds))
         self.seconds_by_width[width] += float(seconds)
         t.samples += 1
+        self._model_dirty = True
         t.last_round = self._rounds.get(bucket, 0)
 
     def observe(self, rids: Sequence[Hashable], expected: Optional[np.ndarray],

@@ -259,8 +259,12 @@ class BatchBudgetConfig(BaseModel):
             step: no drafting, only the root is verified); () = ``(1, ceil(N / 2), N)``. Each width
             is a runtime state of its own (attention backend, CUDA graphs), built at startup.
         explore_every: rounds of one batch-size bucket between two re-measurements of a width that is
-            not the current best (exploration cost: 1 round in ``explore_every``).
-        min_samples: round times measured per (batch-size bucket, width) before it is compared.
+            not the current best (exploration cost: at most 1 round in ``explore_every``).
+        explore_margin: only a width whose estimated tokens/s is within this fraction of the best
+            width's is re-measured (a width priced far out, e.g. 24-wide trees at 32 requests on a
+            CPU, is not re-run every ``explore_every`` rounds to confirm it).
+        min_samples: round times measured per (batch-size bucket, width) before its own median
+            replaces the cost model's prediction (`graft_spec.budget.BatchBudget.cost_model`).
         time_window: round times per (batch-size bucket, width) whose median is the width's cost.
         defer_draft_extend: plain (width-1) rounds skip the EAGLE draft extend; the draft catches
             up over the skipped tokens in one extend before the next drafting round (or when a
@@ -275,6 +279,7 @@ class BatchBudgetConfig(BaseModel):
     enabled: bool = True
     widths: tuple[int, ...] = ()
     explore_every: int = Field(default=64, ge=2, le=1_000_000)
+    explore_margin: float = Field(default=0.25, ge=0.0, le=1.0)
     min_samples: int = Field(default=3, ge=1, le=1000)
     time_window: int = Field(default=16, ge=1, le=4096)
     defer_draft_extend: bool = True
