@@ -140,7 +140,8 @@ class _RoundHost:
         if budget is not None:
             expected = self.stats.expected
             budget.observe([r.rid for r in batch.reqs], None if expected is None else expected.numpy(),
-                           [1 + sum(1 for x in row if x >= 0) for row in sources])
+                           [1 + sum(1 for x in row if x >= 0) for row in sources],
+                           width=len(sources[0]) + 1 if sources else None)
 
 
 @dataclass

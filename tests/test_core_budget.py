@@ -213,6 +213,24 @@ def test_budget_correction_follows_observed_acceptance():
     assert chosen[-50:].count(1) >= 45
 
 
+def test_budget_correction_compares_with_the_gain_a_width_was_chosen_on():
+    """Each round's own expectation is calibrated (2 accepted of 2 expected), but the curve the next
+    width is chosen on promises 4: the correction must follow the choice's promise, or the budget
+    keeps buying 24-wide rounds worth 2 / 2.5 = 0.8 plain rounds."""
+    b = BatchBudget((1, 24), BatchBudgetConfig(min_samples=2))
+    rids = list(range(4))
+    chosen = []
+    for _ in range(300):
+        w = b.choose(rids)
+        chosen.append(w)
+        b.round_time(w, len(rids), {1: 1.0, 24: 2.5}[w])
+        if w > 1:
+            b.observe(rids, np.array([[1.0, 4.0, 2.0]] * len(rids)), [2] * len(rids), width=w)
+    assert b.correction < 0.4        # 1 / 3 once the first rounds (chosen on the prior curve) age out
+    assert chosen[-50:].count(1) >= 45
+    assert b.summary()["tokens_by_width"]["24"] == 2 * len(rids) * chosen.count(24)
+
+
 def test_budget_opt_out():
     b = BatchBudget((1, 12, 24))
     assert b.choose(["a", "b"], [False, False]) == 1
