@@ -250,14 +250,14 @@ class BatchBudget:
                     y.append(t.seconds - b0.seconds)
             if len(set(x)) >= 2:
                 xa, ya = np.asarray(x), np.asarray(y)
+                through_zero = (float((xa * ya).sum() / (xa * xa).sum()), 0.0)   # no draft term
+                per_token, draft = through_zero
                 if base == 1:
                     per_token, draft = np.polyfit(xa, ya, 1)
                     if per_token < 0:
                         per_token, draft = 0.0, float(ya.mean())
                     if draft < 0:
-                        per_token, draft = float((xa * ya).sum() / (xa * xa).sum()), 0.0
-                else:
-                    per_token, draft = float((xa * ya).sum() / (xa * xa).sum()), 0.0
+                        per_token, draft = through_zero
                 self._model = (max(float(draft), 0.0), max(float(per_token), 0.0))
         return self._model
 
@@ -332,8 +332,9 @@ class BatchBudget:
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict:
         """The ``/server_info`` view: widths, rounds per width and per reason, wall seconds spent and
-        tokens emitted per width (their ratio: the realised tokens/s of the budget's choices), the last choice, the correction factor and the measured round times (ms) per
-        batch-size bucket and width."""
+        tokens emitted per width (their ratio: the realised tokens/s of the budget's choices), the
+        last choice, the corrections (global and per bucket x width) and the measured round times
+        (ms) per batch-size bucket and width."""
         times: Dict[str, Dict[str, float]] = {}
         for (bucket, w), t in sorted(self._timing.items()):
             if t.samples:
