@@ -117,7 +117,8 @@ class BatchBudget:
         self._predicted = 0.0         # EMA of predicted accepted nodes (bonus excluded) per request-round
         self._age: Dict[Hashable, int] = {}          # per request: rounds since its curve was observed
         self._by_width: Dict[Tuple[int, int], Tuple[float, float]] = {}   # (bucket, width): chosen-on, observed
-        self._decided: Dict[Hashable, Deque[Tuple[Tuple[int, int], float]]] = {}   # per request: gains its pending rounds were chosen on
+        # per request: ((bucket, width), gain) its pending speculative rounds were chosen on
+        self._decided: Dict[Hashable, Deque[Tuple[Tuple[int, int], float]]] = {}
         self._observed = 0.0
         self.rounds_by_width: Dict[int, int] = {w: 0 for w in widths}
         self.rounds_by_reason: Dict[str, int] = {}

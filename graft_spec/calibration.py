@@ -51,8 +51,8 @@ source is over-estimated (scales hits, never above ``b``), ``1 - (1 - b) * (T - 
 (T - E + a (1 - e))`` where it is under-estimated (scales misses, never above 1), with ``e = E / T``;
 both are the identity when ``H = E`` and monotone in ``b``, so the ranking within a source is the
 bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the window's estimated
-rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter recalibration per source on
-top of the bins (Platt-style, but linear so that the mean is exact); on with the output index by
+rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
+recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact); on with the output index by
 default (``calibration.source_window``, where the measurement is).
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
