@@ -334,13 +334,14 @@ class BatchBudget:
     def summary(self) -> dict:
         """The ``/server_info`` view: widths, rounds per width and per reason, wall seconds spent and
         tokens emitted per width (their ratio: the realised tokens/s of the budget's choices), the
-        last choice, the corrections (global and per bucket x width) and the measured round times
-        (ms) per batch-size bucket and width."""
+        last choice, the corrections (global and per bucket x width), the measured round times
+        (ms) per batch-size bucket and width and the fitted `cost_model` (ms; None before it fits)."""
         times: Dict[str, Dict[str, float]] = {}
         for (bucket, w), t in sorted(self._timing.items()):
             if t.samples:
                 times.setdefault(str(bucket), {})[str(w)] = round(t.seconds * 1e3, 3)
         last = self.last
+        model = self.cost_model()
         return {"widths": list(self.widths), "rounds_by_width": {str(k): v for k, v in self.rounds_by_width.items()},
                 "rounds_by_reason": dict(self.rounds_by_reason),
                 "seconds_by_width": {str(k): round(v, 3) for k, v in self.seconds_by_width.items()},
@@ -350,4 +351,6 @@ class BatchBudget:
                 "last_reason": last.reason if last else None, "correction": round(self.correction, 4),
                 "width_correction": {f"{b}x{w}": round(self.width_correction(b, w), 4)
                                      for (b, w) in sorted(self._by_width)},
-                "round_ms": times, "tracked_requests": len(self._curve)}
+                "round_ms": times, "tracked_requests": len(self._curve),
+                "cost_model": (None if model is None else
+                               {"draft_ms": round(model[0] * 1e3, 3), "per_token_ms": round(model[1] * 1e3, 4)})}

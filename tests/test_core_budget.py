@@ -168,6 +168,7 @@ def test_cost_model_prices_a_new_batch_size_without_exploring_it():
     chosen = _run(b, rids, {w: _linear_device(32, w) for w in b.widths}, curve, rounds=100)
     assert chosen == [1] * 100
     assert b.cost(32, 24, b.cost_model()) == pytest.approx(_linear_device(32, 24), rel=1e-3)
+    assert b.summary()["cost_model"] == {"draft_ms": 40.0, "per_token_ms": 0.5}
 
 
 def test_an_optimistic_prediction_is_measured_and_replaced():
