@@ -165,6 +165,8 @@ class Calibrator:
         halve_at: a bin's counts are halved once its trials exceed this.
         source_window: trials per (mode, member source) over which the source correction is
             measured (halved beyond); 0 turns the correction off.
+        source_modes: (greedy, sampled): the modes whose bins the correction applies to
+            (``GraftConfig.source_modes``: by default the rows that get the output index).
         device: where the tables live.
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
@@ -183,7 +185,7 @@ class Calibrator:
 
     def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
                  halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu",
-                 source_window: float = 256.0):
+                 source_window: float = 256.0, source_modes: tuple = (True, True)):
         if prior_weight <= 0:
             raise ValueError("Calibrator: prior_weight must be > 0")
         if source_window < 0:
@@ -214,6 +216,9 @@ class Calibrator:
         self.member_stats = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64, device=self.device)
         self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
         self._group = self._source_groups()
+        # per `recent` row: whether the source correction applies (its mode is in ``source_modes``)
+        self._source_on = torch.tensor([bool(source_modes[0])] * NUM_MEMBERS + [bool(source_modes[1])] * NUM_MEMBERS
+                                       + [False], device=self.device)
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
         self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
         self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
@@ -336,7 +341,7 @@ class Calibrator:
         # a pseudo-trials of calibrated data (observed = estimated at the window's mean rate)
         pe = a * e / t.clamp(min=1e-6)
         pm = a - pe
-        seen = t >= 1.0
+        seen = (t >= 1.0) & self._source_on
         hits_scale = torch.where(seen, (h + pe) / (e + pe).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
         miss_scale = torch.where(seen, (t - h + pm) / (t - e + pm).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
         under = (h > e)[self._group]

@@ -43,10 +43,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Tuple
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "ENV_PREFIX",
@@ -102,14 +102,21 @@ class RetrievalConfig(BaseModel):
     caps the trie per request (eviction in suffix.py). Its proposals (and the corpus's) share
     ``max_candidates`` slots per request in the host candidate buffer.
 
-    Outputs (device, off by default; docs/benchmark.md): the output index holds what earlier requests
+    Outputs (device; ``outputs``: ``"greedy"`` by default, ``"on"``, ``"off"``; true / false read as
+    on / off): the output index holds what earlier requests
     generated (their prompt's last ``match_len`` tokens and their output, inserted when they stop;
     SuffixDecoding's global tree) in a device ring of the newest ``outputs_max_tokens`` tokens with
     m-gram hash tables (``8 * (2 + 2 K)`` bytes a token of ring at a power-of-two size, K = 8 match
     lengths at the default ``match_len`` 16: 37.7 MB at the default size, fixed at start-up), each
     request adding its first ``outputs_max_request_tokens``; live requests match the context the
     device holds against it inside the graft step, so the overlap scheduler's host lag does not
-    reach it (retrieval/output_ring.py).
+    reach it (retrieval/output_ring.py). ``"greedy"``: every request's output goes into the index, but
+    only greedy rows get its candidates, and the calibration that comes with it (agreement bins, the
+    source correction; `CalibrationConfig`) applies to greedy rows only. Measured with the issue-12
+    command (docs/benchmark.md): on greedy rows the index lifts graft where earlier answers repeat
+    (quick pair chat greedy N 24 6.51 -> 7.84, shipped code greedy 4.60 -> 4.95); on sampled rows,
+    whose completions rarely recur (distinct-4 0.95-1.00), it cost the shipped pair's code cells
+    3.55 -> 3.20 (N 24) and 3.77 -> 3.54 (N 60) while calibrated on average.
 
     Isolation: the successor table and the output index are the retrieval state learnt across
     requests (the suffix index and lookup are per request; the corpus is static). With
@@ -148,7 +155,7 @@ class RetrievalConfig(BaseModel):
     corpus_path: Optional[str] = None
     corpus_max_mb: float = Field(default=256.0, gt=0.0)
 
-    outputs: bool = False
+    outputs: Literal["off", "greedy", "on"] = "greedy"
     outputs_max_tokens: int = Field(default=262_144, ge=1024, le=1 << 28,
                                     description="tokens of the newest outputs the output index holds (all groups)")
     outputs_max_request_tokens: int = Field(default=2048, ge=16, le=1 << 20,
@@ -167,6 +174,17 @@ class RetrievalConfig(BaseModel):
     max_candidates: int = Field(default=64, ge=1, le=1024,
                                 description="successor template slots (at most N - 1) and host "
                                             "candidate slots per request (shared by suffix, corpus and outputs)")
+
+    @field_validator("outputs", mode="before")
+    @classmethod
+    def _outputs_switch(cls, v):
+        """true / false (``--graft-retrieval ...,outputs``, ``GRAFTCFG_RETRIEVAL__OUTPUTS=true``) = on / off."""
+        return ("on" if v else "off") if isinstance(v, bool) else v
+
+    @property
+    def outputs_modes(self) -> Tuple[bool, bool]:
+        """(greedy rows, sampled rows) that get the output index's candidates."""
+        return {"off": (False, False), "greedy": (True, False), "on": (True, True)}[self.outputs]
 
     @model_validator(mode="after")
     def _check(self) -> "RetrievalConfig":
@@ -224,7 +242,8 @@ class CalibrationConfig(BaseModel):
         halve_at: a bin's counts are halved once its trials exceed this (memory for drift).
         source_window: trials per member source (and mode) over which the source correction
             measures its mean estimated vs observed acceptance (calibration.py "Source
-            correction"); 0 = off; None = 256 with the output index, else off. Quick pair, server
+            correction"); 0 = off; None = 256 on the rows that get the output index
+            (``retrieval.outputs``: greedy rows by default), else off. Quick pair, server
             test workload (24 code prompts at c1, then again at c8; greedy, N 24, synchronous):
             with the output index, mean estimated / observed per source after both passes went
             from successor 0.52 / 0.62, outputs 0.57 / 0.66, agree 0.48 / 0.60 to 0.56 / 0.59,
@@ -232,8 +251,8 @@ class CalibrationConfig(BaseModel):
             the index every source was already within 0.015 with it (c1 tau 8.17; 8.21-8.26 without
             it in earlier runs), so it is not on there.
         agreement: price and credit a draft node a retrieval source also proposed in agreement bins
-            of its own instead of the draft bins (calibration.py); None = on exactly when
-            ``retrieval.outputs`` is. With the output index the retrieved paths cover most draft
+            of its own instead of the draft bins (calibration.py); None = on exactly for the rows
+            that get the output index (``retrieval.outputs``). With the output index the retrieved paths cover most draft
             nodes and the draft bins otherwise learn their acceptance (quick pair server test:
             draft 0.21 estimated / 0.30 observed, 0.04 / 0.05 with agreement bins; tau 11.05 -> 11.21).
             Without it, measured with the issue-12 command (docs/benchmark.md), tau moved -6% to +5%
@@ -357,18 +376,31 @@ class GraftConfig(BaseModel):
         return self.batch_budget.widths or tuple(sorted({1, max(2, -(-n // 2)), n}))
 
     @property
-    def agreement_bins(self) -> bool:
-        """Whether agreement nodes get their own calibration bins (``calibration.agreement``; None =
-        with the output index)."""
+    def agreement_modes(self) -> Tuple[bool, bool]:
+        """(greedy rows, sampled rows) whose agreement nodes get their own calibration bins
+        (``calibration.agreement``; None = the rows that get the output index)."""
         a = self.calibration.agreement
-        return self.retrieval.outputs if a is None else a
+        return self.retrieval.outputs_modes if a is None else (a, a)
+
+    @property
+    def agreement_bins(self) -> bool:
+        """Whether any row prices agreement nodes in their own bins (`agreement_modes`)."""
+        return any(self.agreement_modes)
 
     @property
     def source_window(self) -> float:
         """Trials of the calibration's source correction window (``calibration.source_window``;
-        None = 256 with the output index, else 0 = off)."""
+        None = 256 where the output index is on, else 0 = off)."""
         w = self.calibration.source_window
-        return (256.0 if self.retrieval.outputs else 0.0) if w is None else float(w)
+        return (256.0 if any(self.retrieval.outputs_modes) else 0.0) if w is None else float(w)
+
+    @property
+    def source_modes(self) -> Tuple[bool, bool]:
+        """(greedy rows, sampled rows) whose calibration bins get the source correction (an explicit
+        ``calibration.source_window``: both; None: the rows that get the output index)."""
+        if self.calibration.source_window is not None:
+            return (True, True)
+        return self.retrieval.outputs_modes
 
     # ------------------------------------------------------------------ loaders
     @classmethod

@@ -151,7 +151,7 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
                  valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
                  policy: Optional[GraftPolicy] = None, gain_nodes: Optional[int] = None,
                  sampled: Optional[torch.Tensor] = None,
-                 agreement: Optional[tuple[int, torch.Tensor]] = None) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
+                 agreement: Optional[tuple] = None) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """Build the hybrid tree from a stacked candidate list (see module docstring).
 
     Args:
@@ -171,10 +171,11 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
             every width up to ``gain_nodes`` from the same candidates (the batch budget, budget.py).
         sampled: ``bool[B]`` rows verified by sampling (None: all greedy); with
             ``policy.exclusive_siblings == "greedy"`` only the other rows get `sibling_caps`.
-        agreement: ``(offset, estimates)``: the agreement bin of a node is its draft bin + ``offset``
-            (``BinLayout.offset(MEMBER_AGREE)``), priced from the ``float32`` table ``estimates``
-            (`Calibrator.estimates`); None: agreement nodes are priced by their best member and
-            credit the draft bin (calibration.py).
+        agreement: ``(offset, estimates[, rows])``: the agreement bin of a node is its draft bin +
+            ``offset`` (``BinLayout.offset(MEMBER_AGREE)``), priced from the ``float32`` table
+            ``estimates`` (`Calibrator.estimates`), on the rows of ``bool[B]`` ``rows`` (None or
+            absent: every row); None and the other rows: agreement nodes are priced by their best
+            member and credit the draft bin (calibration.py).
     Returns:
         ``(tree, member_bins, gain)``: ``gain`` ``float32[B, gain_nodes - 1]``, ``gain[:, k]`` = sum
         of the estimates of the k + 1 best non-root nodes (the selection order; every prefix of it is
@@ -216,11 +217,13 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     mb = torch.full((b, u * NUM_MEMBERS), -1, dtype=torch.int64, device=dev).scatter_reduce(
         1, slot, torch.where(valid & (bins >= 0), bins, -1), reduce="amax", include_self=True)
     if agreement is not None:   # draft + retrieval on one node: its own bin, credited instead of the draft's
-        offset, table = agreement
+        offset, table, *rows = agreement
         mb = mb.view(b, u, NUM_MEMBERS)
         drafted = mb[:, :, MEMBER_DRAFT]
         retrieved = (mb[:, :, MEMBER_SUCCESSOR:MEMBER_AGREE] >= 0).any(dim=2)   # any member but draft / agree
         agree = (drafted >= 0) & retrieved
+        if rows and rows[0] is not None:
+            agree = agree & rows[0][:, None]
         agree_bin = torch.where(agree, drafted + offset, -1)
         agree_est = torch.where(agree, table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
         gest = torch.where(agree, torch.maximum(gest, agree_est), gest)

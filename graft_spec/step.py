@@ -245,6 +245,17 @@ class StepOutput:
         return 1.0 + self.tree.logp[:, 1:].exp().sum(dim=1)
 
 
+def _mode_rows(modes: tuple, sampled: torch.Tensor) -> Optional[torch.Tensor]:
+    """``bool[B]`` rows whose mode is on in ``modes`` = (greedy, sampled) (``sampled`` ``bool[B]``);
+    None when both are (every row). A config switch, not data-dependent control flow."""
+    greedy_on, sampled_on = bool(modes[0]), bool(modes[1])
+    if greedy_on and sampled_on:
+        return None
+    if greedy_on:
+        return ~sampled
+    return sampled if sampled_on else torch.zeros_like(sampled)
+
+
 class GraftStep:
     """The static part of the step (shapes, template, stages) and the step itself.
 
@@ -350,7 +361,14 @@ class GraftStep:
 
     def _outputs_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
                       est_table: torch.Tensor):
-        return self._chain_part(*self.outputs.propose(hist, count, groups), MEMBER_OUTPUTS, sampled, est_table)
+        """The output index's chains, on the rows ``retrieval.outputs`` gives them to (default: greedy)."""
+        tok, par, est, valid, bins, members = self._chain_part(*self.outputs.propose(hist, count, groups),
+                                                               MEMBER_OUTPUTS, sampled, est_table)
+        rows = _mode_rows(self.config.retrieval.outputs_modes, sampled)
+        if rows is not None:
+            valid = valid & rows[:, None]
+            est, bins = torch.where(valid, est, 0.0), torch.where(valid, bins, -1)
+        return tok, par, est, valid, bins, members
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
@@ -452,7 +470,7 @@ class GraftStep:
             torch.cat(parts_tok, 1), torch.cat(parts_par, 1), torch.cat(parts_key, 1), torch.cat(parts_est, 1),
             valid, torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n, self.config.graft,
             gain_nodes=self.pool, sampled=sampled,
-            agreement=((self.calibrator.layout.offset(MEMBER_AGREE), est_table) if self.config.agreement_bins
-                       else None))
+            agreement=((self.calibrator.layout.offset(MEMBER_AGREE), est_table,
+                        _mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain)

@@ -37,7 +37,8 @@ def test_methods_expand_to_valid_server_args(sglang_plugins_for_bench):
             # only the out-of-the-box method switches widths; every peer verifies N each step
             assert cfg.batch_budget.enabled == (m.method == "graft")
             if m.method == "pruned_only":
-                assert not any(getattr(cfg.retrieval, s) for s in ("successor", "suffix", "corpus", "lookup", "outputs"))
+                assert not any(getattr(cfg.retrieval, s) for s in ("successor", "suffix", "corpus", "lookup"))
+                assert cfg.retrieval.outputs == "off"
 
 
 @pytest.fixture(scope="module")

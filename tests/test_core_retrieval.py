@@ -419,7 +419,8 @@ def test_output_index_in_the_planner_follows_isolation():
     def ring(**kw):
         return GraftPlanner(GraftConfig(num_draft_tokens=16, topk=4, depth=3, retrieval=kw), vocab_size=100).outputs
 
-    assert ring() is None                          # off by default (docs/benchmark.md says why)
+    assert ring() is not None                      # on by default, for greedy rows (docs/benchmark.md)
+    assert ring(outputs=False) is None and ring(outputs="off") is None
     assert ring(outputs=True).depth == 15          # chains as deep as the tree
     assert ring(outputs=True, isolation="request") is None
     assert [s.name for s in Retriever.from_config(GraftConfig(retrieval={"outputs": True})).sources] == ["suffix"]

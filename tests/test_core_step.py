@@ -94,10 +94,11 @@ def test_step_runs_on_meta_tensors(b, n):
 def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     """``torch.compile(fullgraph=True, dynamic=False)`` traces the whole step without a graph break
     (a host read or data-dependent branch would break it), the compiled step equals the eager one,
-    and the eager step dispatches none of `HOST_OPS`; with every sibling-caps mode."""
+    and the eager step dispatches none of `HOST_OPS`; with every sibling-caps mode, and the output
+    index on greedy rows only (the default) or on every row."""
     topk, steps = SHAPES[n]
     cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, graft={"exclusive_siblings": exclusive},
-                      retrieval={"outputs": True})
+                      retrieval={"outputs": "greedy" if exclusive == "greedy" else "on"})
     planner = GraftPlanner(cfg, 5000, max_slots=64)
     gen = torch.Generator().manual_seed(b * 100 + n)
     args = dense_inputs(b, topk, steps, 5000, 64, "cpu", gen)
@@ -119,6 +120,36 @@ def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     for x, y in zip(eager, compiled):
         assert torch.equal(x, y)
     torch._dynamo.reset()
+
+
+def _outputs_planner(outputs):
+    cfg = GraftConfig(num_draft_tokens=24, topk=4, depth=4, retrieval={"outputs": outputs})
+    planner = GraftPlanner(cfg, 5000, max_slots=16)
+    gen = torch.Generator().manual_seed(11)
+    args = dense_inputs(16, 4, 4, 5000, 16, "cpu", gen)
+    ctx = torch.randint(0, 5000, (16, 40), generator=gen)
+    planner.history.reset(args[3], ctx, torch.full((16,), 40))
+    for row in ctx.tolist():                              # every context has an earlier answer
+        planner.outputs.insert(row + [int(t) for t in torch.randint(0, 5000, (20,), generator=gen)])
+    return planner, args
+
+
+@pytest.mark.parametrize("outputs", ["greedy", "on"])
+def test_output_index_candidates_go_to_the_rows_of_its_mode(outputs):
+    """``retrieval.outputs: greedy`` (default): the output index proposes to greedy rows only, and
+    only their agreement nodes use the agreement bins; ``on``: every row gets both."""
+    planner, args = _outputs_planner(outputs)
+    sampled = args[5]
+    out = planner.build(*args)
+    has_outputs = (out.member_bins[..., MEMBER_OUTPUTS] >= 0).any(dim=1)
+    has_agree = (out.member_bins[..., MEMBER_AGREE] >= 0).any(dim=1)
+    assert has_outputs[~sampled].all()
+    assert has_outputs[sampled].all() if outputs == "on" else not has_outputs[sampled].any()
+    if outputs == "greedy":
+        assert not has_agree[sampled].any()
+        assert planner.config.agreement_modes == (True, False) and planner.config.source_modes == (True, False)
+    else:
+        assert planner.config.agreement_modes == (True, True) and planner.config.source_modes == (True, True)
 
 
 def test_guard_catches_host_reads():
@@ -210,8 +241,10 @@ def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
     source correction brings the source's mean estimate to the new rate within a few windows, in
     either direction, while the bin itself still lags; another source and the other mode are not
     moved; with ``source_window 0`` the estimate is the bin's. By default it is on with the output
-    index only."""
-    assert GraftConfig().source_window == 0 and GraftConfig(retrieval={"outputs": True}).source_window == 256
+    index only, and only for the rows that get it (greedy by default)."""
+    assert GraftConfig(retrieval={"outputs": False}).source_window == 0
+    assert GraftConfig().source_window == 256 and GraftConfig().source_modes == (True, False)
+    assert GraftConfig(retrieval={"outputs": True}).source_window == 256
     assert GraftConfig(retrieval={"outputs": True}, calibration={"source_window": 0}).source_window == 0
     estimates = {}
     for window in (256.0, 0.0):
@@ -240,6 +273,25 @@ def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
     assert abs(estimates[256.0] - rate) < abs(estimates[0.0] - rate)
 
 
+def test_source_correction_only_for_its_modes():
+    """``source_modes = (True, False)`` (the default with the output index on greedy rows): a sampled
+    source that jumps is left at its bins' estimate, the same greedy source is corrected."""
+    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2)
+    cal = GraftPlanner(cfg, 50).calibrator
+    node = {mode: int(cal.retrieval_bins(torch.tensor([[MEMBER_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
+                                         torch.tensor([[8]]), torch.tensor([mode]))) for mode in (False, True)}
+    bins = torch.full((8, 2, NUM_MEMBERS), -1)
+    bins[:4, 1, MEMBER_OUTPUTS], bins[4:, 1, MEMBER_OUTPUTS] = node[False], node[True]
+    gen = torch.Generator().manual_seed(0)
+    for p, rounds in ((0.5, 400), (0.95, 128)):
+        for _ in range(rounds):
+            on_path = torch.stack([torch.ones(8, dtype=torch.bool), torch.rand(8, generator=gen) < p], dim=1)
+            cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.estimates())
+    est = cal.estimates()
+    assert est[node[True]] == cal._base[node[True]] and cal._base[node[True]] < 0.85
+    assert est[node[False]].item() == pytest.approx(0.95, abs=0.05)
+
+
 def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
     """A draft node a retrieval source also proposed is an agreement node: its agreement bin (draft
     bin + the agree block's offset, prior sqrt of the draft prior) is credited, its draft bin is not;
@@ -247,7 +299,8 @@ def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
     cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, retrieval={"successor": False, "suffix": False,
                                                                         "lookup": False},
                       calibration={"agreement": True})
-    assert not GraftConfig().agreement_bins and GraftConfig(retrieval={"outputs": True}).agreement_bins
+    assert not GraftConfig(retrieval={"outputs": "off"}).agreement_bins
+    assert GraftConfig().agreement_modes == (True, False) and GraftConfig(retrieval={"outputs": True}).agreement_bins
     assert not GraftConfig(retrieval={"outputs": True}, calibration={"agreement": False}).agreement_bins
     planner = GraftPlanner(cfg, 50, max_slots=2)
     cal = planner.calibrator

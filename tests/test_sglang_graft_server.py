@@ -277,7 +277,7 @@ class TestOverlapScheduler:
 
 
 class TestOutputIndex:
-    """The device output index (``retrieval.outputs``, opt-in) under the overlap scheduler: the code
+    """The device output index (``retrieval.outputs``, here on for every row) under the overlap scheduler: the code
     prompts twice, the second pass finding the first pass's outputs in the index."""
 
     @pytest.fixture(scope="class")
