@@ -222,7 +222,9 @@ def add_graft_cli_args(result, parser: argparse.ArgumentParser):
                        " SGLang's --speculative-num-draft-tokens).")
     group.add_argument("--graft-retrieval", dest=_DEST + "retrieval", default=None,
                        type=_retrieval_flag, metavar="SOURCES",
-                       help="Retrieval sources: comma list of successor,suffix,lookup,outputs,corpus or 'none'.")
+                       help="Retrieval sources: comma list of successor,suffix,lookup,outputs,corpus or 'none' "
+                       "(a listed source is on, an unlisted one off; outputs listed = on for every row, "
+                       "its default is greedy rows: --graft-retrieval-outputs greedy).")
     try:
         paths = config_field_paths()
     except Exception as exc:  # graft_spec missing or broken: keep SGLang usable for other algorithms
