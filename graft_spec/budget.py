@@ -75,11 +75,13 @@ class _Timing:
     window: Deque[float]
     samples: int = 0
     last_round: int = 0
+    seconds: float = 0.0            # median of the window (0 before any sample), kept by `add`
 
-    @property
-    def seconds(self) -> float:
-        """Median of the window (0 before any sample)."""
-        return float(np.median(self.window)) if self.window else 0.0
+    def add(self, seconds: float) -> None:
+        """One measured round; the median is recomputed here, once, not on every read."""
+        self.window.append(seconds)
+        self.samples += 1
+        self.seconds = float(np.median(self.window))
 
 
 @dataclass
@@ -128,6 +130,8 @@ class BatchBudget:
         self._scheduled = 0           # rounds taken from ``config.schedule``
         self._model: Optional[Tuple[float, float]] = None
         self._model_dirty = False
+        self._catch_up: Dict[int, float] = {}   # bucket -> EMA of deferred catch-up seconds per plain round
+        self.catch_up_seconds = 0.0
 
     # ------------------------------------------------------------------ decisions
     @property
@@ -224,11 +228,13 @@ class BatchBudget:
     def cost(self, bucket: int, width: int, model: Optional[Tuple[float, float]] = None) -> float:
         """Seconds of one round at ``width`` for a batch in ``bucket``: the median of its own
         measurements once it has ``min_samples``, else the `cost_model` prediction from the bucket's
-        base-width time (0 when neither exists)."""
+        base-width time (0 when neither exists). A plain (width-1) round also owes its share of the
+        deferred draft catch-up (`catch_up_time`)."""
         t = self._time(bucket, width)
         base = self._time(bucket, self.widths[0])
+        owed = self._catch_up.get(bucket, 0.0) if width == 1 else 0.0   # the draft extends a plain round defers
         if t.samples >= self.config.min_samples or model is None or not base.samples:
-            return t.seconds
+            return t.seconds + owed
         draft, per_token = model
         return base.seconds + (draft if self.widths[0] == 1 else 0.0) + per_token * bucket * (width - self.widths[0])
 
@@ -249,14 +255,16 @@ class BatchBudget:
                 if w != base and t.samples >= need and b0 is not None and b0.samples >= need:
                     x.append(float(bucket * (w - base)))
                     y.append(t.seconds - b0.seconds)
-            if len(set(x)) >= 2:
-                xa, ya = np.asarray(x), np.asarray(y)
-                through_zero = (float((xa * ya).sum() / (xa * xa).sum()), 0.0)   # no draft term
+            if len(set(x)) >= 2:   # closed-form least squares (runs every round: no numpy call)
+                through_zero = (sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x), 0.0)   # no draft term
                 per_token, draft = through_zero
                 if base == 1:
-                    per_token, draft = np.polyfit(xa, ya, 1)
+                    mx, my = sum(x) / len(x), sum(y) / len(y)
+                    per_token = (sum((a - mx) * (b - my) for a, b in zip(x, y))
+                                 / sum((a - mx) ** 2 for a in x))
+                    draft = my - per_token * mx
                     if per_token < 0:
-                        per_token, draft = 0.0, float(ya.mean())
+                        per_token, draft = 0.0, my
                     if draft < 0:
                         per_token, draft = through_zero
                 self._model = (max(float(draft), 0.0), max(float(per_token), 0.0))
@@ -282,11 +290,25 @@ class BatchBudget:
             return
         bucket = size_bucket(batch_size)
         t = self._time(bucket, width)
-        t.window.append(float(seconds))
+        t.add(float(seconds))
         self.seconds_by_width[width] += float(seconds)
-        t.samples += 1
         self._model_dirty = True
         t.last_round = self._rounds.get(bucket, 0)
+
+    def catch_up_time(self, batch_size: int, rounds: int, seconds: float) -> None:
+        """A deferred draft catch-up (sglang_patch/deferred_draft.py) of ``batch_size`` requests that
+        covered ``rounds`` plain rounds took ``seconds``. It is kept out of the round times (the
+        caller starts the round's clock after it) and charged to plain rounds instead, per round
+        covered: the catch-up runs before the first drafting round after plain ones, and charging
+        it there made every width look ~30 ms dearer at concurrency 1 (cost model draft term 37 ms
+        against 10 ms once it was out), so the budget stayed plain."""
+        if rounds <= 0 or seconds <= 0:
+            return
+        bucket = size_bucket(batch_size)
+        per_round = float(seconds) / rounds
+        old = self._catch_up.get(bucket)
+        self._catch_up[bucket] = per_round if old is None else 0.8 * old + 0.2 * per_round
+        self.catch_up_seconds += float(seconds)
 
     def observe(self, rids: Sequence[Hashable], expected: Optional[np.ndarray],
                 accept_lens: Sequence[int], width: Optional[int] = None) -> None:
@@ -352,5 +374,7 @@ class BatchBudget:
                 "width_correction": {f"{b}x{w}": round(self.width_correction(b, w), 4)
                                      for (b, w) in sorted(self._by_width)},
                 "round_ms": times, "tracked_requests": len(self._curve),
+                "catch_up_ms_per_plain_round": {str(b): round(v * 1e3, 3) for b, v in sorted(self._catch_up.items())},
+                "catch_up_seconds": round(self.catch_up_seconds, 3),
                 "cost_model": (None if model is None else
                                {"draft_ms": round(model[0] * 1e3, 3), "per_token_ms": round(model[1] * 1e3, 4)})}

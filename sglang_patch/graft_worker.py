@@ -483,6 +483,9 @@ class GraftWorker(EAGLEWorkerV2):
         if counts is not None:
             self.width_states.activate(self.deferred.width)
             self.deferred.catch_up(self._draft_worker, batch, counts, self.req_to_token_pool.req_to_token)
+            done = time.perf_counter()   # the catch-up is charged to the plain rounds it covers, not to this one
+            self.budget.catch_up_time(len(reqs), max(counts), done - now)
+            now = done
         self.width_states.activate(width)
         self.stats.record_width(width, len(reqs))
         self._launch = (width, len(reqs), now)

@@ -137,6 +137,22 @@ def test_budget_picks_the_width_with_most_tokens_per_second():
     assert chosen[-50:].count(12) >= 45
 
 
+def test_deferred_catch_up_is_charged_to_plain_rounds():
+    """A catch-up of deferred draft extends (reported apart from the round times) makes plain
+    rounds dearer by its cost per round covered: 0.2 s per plain round tips a batch from plain
+    (8 tokens/s against 7.5 for 12-wide) to 12-wide (6.7 against 7.5)."""
+    rids = list(range(8))
+    curve = {1: 1.0, 12: 3.0, 24: 3.5}
+    times = {1: 1.0, 12: 3.2, 24: 5.0}
+    plain = BatchBudget((1, 12, 24))
+    assert _run(plain, rids, times, curve)[-50:].count(1) >= 45
+    owed = BatchBudget((1, 12, 24))
+    owed.catch_up_time(8, 5, 1.0)                   # 5 plain rounds caught up in 1 s
+    assert owed.cost(8, 1) == 0.0 + 0.2 and owed.summary()["catch_up_ms_per_plain_round"] == {"8": 200.0}
+    assert _run(owed, rids, times, curve)[-50:].count(12) >= 45
+    assert owed.cost(8, 1) == pytest.approx(1.2) and owed.cost(8, 12) == pytest.approx(3.2)
+
+
 def test_budget_measures_every_width_and_re_explores():
     b = BatchBudget((1, 12, 24), BatchBudgetConfig(explore_every=10, min_samples=2))
     chosen = _run(b, ["a"], {1: 1.0, 12: 1.05, 24: 1.1}, {1: 1.0, 12: 3.0, 24: 3.5}, rounds=100)
