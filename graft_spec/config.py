@@ -252,8 +252,8 @@ class CalibrationConfig(BaseModel):
             it in earlier runs), so it is not on there.
         agreement: price and credit a draft node a retrieval source also proposed in agreement bins
             of its own instead of the draft bins (calibration.py); None = on exactly for the rows
-            that get the output index (``retrieval.outputs``). With the output index the retrieved paths cover most draft
-            nodes and the draft bins otherwise learn their acceptance (quick pair server test:
+            that get the output index (``retrieval.outputs``). With the output index the retrieved
+            paths cover most draft nodes and the draft bins otherwise learn their acceptance (quick pair server test:
             draft 0.21 estimated / 0.30 observed, 0.04 / 0.05 with agreement bins; tau 11.05 -> 11.21).
             Without it, measured with the issue-12 command (docs/benchmark.md), tau moved -6% to +5%
             per cell (shipped pair mean -0.8%, N 24 code sampled 3.55 -> 3.34), so it is not on there.
