@@ -160,9 +160,13 @@ def test_calibration_tracks_observed_acceptance(graft, graft_code_c1, record_pro
     record_property("calibration", json.dumps(cal))
     print("\nSGLANG-GRAFT-CALIBRATION", json.dumps(cal))
     used = {m: c for m, c in cal.items() if c["trials"] >= 500}
-    assert {"draft", "lookup"} <= set(used), cal
+    assert {"lookup", "outputs"} <= set(used), cal
     for m, c in used.items():
         assert abs(c["estimated"] - c["observed"]) <= 0.05, (m, c)
+    # with the output index (greedy rows, the default) retrieval fills most of these looping code
+    # trees: the draft verified 174 nodes in CI (0.049 estimated / 0.040 observed)
+    draft = cal["draft"]
+    assert draft["trials"] >= 100 and abs(draft["estimated"] - draft["observed"]) <= 0.05, cal
 
 
 def test_drafting_stops_early_when_retrieval_fills_the_tree(graft, graft_code_c1, record_property):
