@@ -52,8 +52,8 @@ source is over-estimated (scales hits, never above ``b``), ``1 - (1 - b) * (T - 
 both are the identity when ``H = E`` and monotone in ``b``, so the ranking within a source is the
 bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the window's estimated
 rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
-recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact); on with the output index by
-default (``calibration.source_window``, where the measurement is).
+recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
+for every source and mode by default (``calibration.source_window``, where the measurements are).
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
@@ -165,8 +165,6 @@ class Calibrator:
         halve_at: a bin's counts are halved once its trials exceed this.
         source_window: trials per (mode, member source) over which the source correction is
             measured (halved beyond); 0 turns the correction off.
-        source_modes: (greedy, sampled): the modes whose bins the correction applies to
-            (``GraftConfig.source_modes``: by default the rows that get the output index).
         device: where the tables live.
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
@@ -185,7 +183,7 @@ class Calibrator:
 
     def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
                  halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu",
-                 source_window: float = 256.0, source_modes: tuple = (True, True)):
+                 source_window: float = 256.0):
         if prior_weight <= 0:
             raise ValueError("Calibrator: prior_weight must be > 0")
         if source_window < 0:
@@ -216,9 +214,6 @@ class Calibrator:
         self.member_stats = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64, device=self.device)
         self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
         self._group = self._source_groups()
-        # per `recent` row: whether the source correction applies (its mode is in ``source_modes``)
-        self._source_on = torch.tensor([bool(source_modes[0])] * NUM_MEMBERS + [bool(source_modes[1])] * NUM_MEMBERS
-                                       + [False], device=self.device)
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
         self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
         self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
@@ -341,7 +336,7 @@ class Calibrator:
         # a pseudo-trials of calibrated data (observed = estimated at the window's mean rate)
         pe = a * e / t.clamp(min=1e-6)
         pm = a - pe
-        seen = (t >= 1.0) & self._source_on
+        seen = t >= 1.0
         hits_scale = torch.where(seen, (h + pe) / (e + pe).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
         miss_scale = torch.where(seen, (t - h + pm) / (t - e + pm).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
         under = (h > e)[self._group]

@@ -242,14 +242,14 @@ class CalibrationConfig(BaseModel):
         halve_at: a bin's counts are halved once its trials exceed this (memory for drift).
         source_window: trials per member source (and mode) over which the source correction
             measures its mean estimated vs observed acceptance (calibration.py "Source
-            correction"); 0 = off; None = 256 on the rows that get the output index
-            (``retrieval.outputs``: greedy rows by default), else off. Quick pair, server
-            test workload (24 code prompts at c1, then again at c8; greedy, N 24, synchronous):
-            with the output index, mean estimated / observed per source after both passes went
-            from successor 0.52 / 0.62, outputs 0.57 / 0.66, agree 0.48 / 0.60 to 0.56 / 0.59,
-            0.66 / 0.70, 0.57 / 0.62, tau 10.97 -> 10.45 at c1 and 18.96 -> 19.20 at c8; without
-            the index every source was already within 0.015 with it (c1 tau 8.17; 8.21-8.26 without
-            it in earlier runs), so it is not on there.
+            correction"); 0 = off. On every row: quick pair, server test workload (24 code
+            prompts at c1, then again at c8; greedy, N 24, synchronous), with the output index,
+            mean estimated / observed per source after both passes went from successor 0.52 /
+            0.62, outputs 0.57 / 0.66, agree 0.48 / 0.60 to 0.56 / 0.59, 0.66 / 0.70, 0.57 /
+            0.62, tau 10.97 -> 10.45 at c1 and 18.96 -> 19.20 at c8. On sampled rows (quick
+            pair, chat, T 0.8, 12 prompts x 6 seeds, N 24 / 60): lookup 0.053 / 0.044 and
+            0.049 / 0.028 without it, 0.027 / 0.045 and 0.020 / 0.022 with it, tau 1.581 /
+            1.656 without, 1.579 / 1.648 with (seed noise).
         agreement: price and credit a draft node a retrieval source also proposed in agreement bins
             of its own instead of the draft bins (calibration.py); None = on exactly for the rows
             that get the output index (``retrieval.outputs``). With the output index the retrieved
@@ -263,7 +263,7 @@ class CalibrationConfig(BaseModel):
 
     prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
     halve_at: float = Field(default=4096.0, ge=16.0)
-    source_window: Optional[float] = Field(default=None, ge=0.0)
+    source_window: float = Field(default=256.0, ge=0.0)
     agreement: Optional[bool] = None
 
 
@@ -386,21 +386,6 @@ class GraftConfig(BaseModel):
     def agreement_bins(self) -> bool:
         """Whether any row prices agreement nodes in their own bins (`agreement_modes`)."""
         return any(self.agreement_modes)
-
-    @property
-    def source_window(self) -> float:
-        """Trials of the calibration's source correction window (``calibration.source_window``;
-        None = 256 where the output index is on, else 0 = off)."""
-        w = self.calibration.source_window
-        return (256.0 if any(self.retrieval.outputs_modes) else 0.0) if w is None else float(w)
-
-    @property
-    def source_modes(self) -> Tuple[bool, bool]:
-        """(greedy rows, sampled rows) whose calibration bins get the source correction (an explicit
-        ``calibration.source_window``: both; None: the rows that get the output index)."""
-        if self.calibration.source_window is not None:
-            return (True, True)
-        return self.retrieval.outputs_modes
 
     # ------------------------------------------------------------------ loaders
     @classmethod

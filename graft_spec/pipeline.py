@@ -157,7 +157,7 @@ class GraftPlanner:
         prior = self.successor.slot_prior if self.successor else torch.zeros(0)
         self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, config.calibration.prior_weight,
                                      config.calibration.halve_at, max_depth=max(n, 64), device=self.device,
-                                     source_window=config.source_window, source_modes=config.source_modes)
+                                     source_window=config.calibration.source_window)
         self.retriever = Retriever.from_config(config, corpus)
         #: earlier requests' outputs, on the device (retrieval/output_ring.py), or None
         self.outputs = (OutputRing(r.outputs_max_tokens, r.match_len, n - 1, r.outputs_max_request_tokens, self.device)

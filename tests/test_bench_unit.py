@@ -8,7 +8,7 @@ import pytest
 
 from sglang_patch.bench.client import RequestResult, RunResult
 from sglang_patch.bench.methods import build_methods, stage_checkpoints
-from sglang_patch.bench.prompts import load_prompts
+from sglang_patch.bench.prompts import load_prompts, split_warmup
 from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
                                        merge_calibration, summarize, text_quality, write_plots)
 
@@ -126,3 +126,14 @@ def test_load_prompts_both_shapes(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="neither"):
         load_prompts(tmp_path / "bad.jsonl")
+
+
+def test_warmup_prompts_are_held_out(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(f'{{"id": "{i}", "prompt": "p{i}"}}\n' for i in range(10)))
+    measured, warm = split_warmup(load_prompts(f), 6, 3)
+    assert [p.pid for p in measured] == ["0", "1", "2", "3", "4", "5"]
+    assert [p.pid for p in warm] == ["7", "8", "9"]
+    assert split_warmup(load_prompts(f), 10, 0) == (load_prompts(f), [])
+    with pytest.raises(ValueError, match="holds 10"):
+        split_warmup(load_prompts(f), 8, 3)

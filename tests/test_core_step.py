@@ -147,9 +147,9 @@ def test_output_index_candidates_go_to_the_rows_of_its_mode(outputs):
     assert has_outputs[sampled].all() if outputs == "on" else not has_outputs[sampled].any()
     if outputs == "greedy":
         assert not has_agree[sampled].any()
-        assert planner.config.agreement_modes == (True, False) and planner.config.source_modes == (True, False)
+        assert planner.config.agreement_modes == (True, False)
     else:
-        assert planner.config.agreement_modes == (True, True) and planner.config.source_modes == (True, True)
+        assert planner.config.agreement_modes == (True, True)
 
 
 def test_guard_catches_host_reads():
@@ -240,12 +240,8 @@ def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
     """A bin that learnt a source at 0.5 for a long time, then sees it accepted at ``rate``: the
     source correction brings the source's mean estimate to the new rate within a few windows, in
     either direction, while the bin itself still lags; another source and the other mode are not
-    moved; with ``source_window 0`` the estimate is the bin's. By default it is on with the output
-    index only, and only for the rows that get it (greedy by default)."""
-    assert GraftConfig(retrieval={"outputs": False}).source_window == 0
-    assert GraftConfig().source_window == 256 and GraftConfig().source_modes == (True, False)
-    assert GraftConfig(retrieval={"outputs": True}).source_window == 256
-    assert GraftConfig(retrieval={"outputs": True}, calibration={"source_window": 0}).source_window == 0
+    moved; with ``source_window 0`` the estimate is the bin's. By default it is on (256 trials)."""
+    assert GraftConfig().calibration.source_window == 256
     estimates = {}
     for window in (256.0, 0.0):
         cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration={"source_window": window})
@@ -273,11 +269,11 @@ def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
     assert abs(estimates[256.0] - rate) < abs(estimates[0.0] - rate)
 
 
-def test_source_correction_only_for_its_modes():
-    """``source_modes = (True, False)`` (the default with the output index on greedy rows): a sampled
-    source that jumps is left at its bins' estimate, the same greedy source is corrected."""
-    cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2)
-    cal = GraftPlanner(cfg, 50).calibrator
+def test_source_correction_per_mode_on_sampled_rows_too():
+    """By default the source correction covers both modes, each from its own window: the same source
+    jumps from 0.5 to 0.95 on sampled rows only; the sampled estimate follows it while its bin lags,
+    the greedy estimate of the same bin stays at the greedy rate."""
+    cal = GraftPlanner(GraftConfig(num_draft_tokens=6, topk=2, depth=2), 50).calibrator
     node = {mode: int(cal.retrieval_bins(torch.tensor([[MEMBER_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
                                          torch.tensor([[8]]), torch.tensor([mode]))) for mode in (False, True)}
     bins = torch.full((8, 2, NUM_MEMBERS), -1)
@@ -285,11 +281,13 @@ def test_source_correction_only_for_its_modes():
     gen = torch.Generator().manual_seed(0)
     for p, rounds in ((0.5, 400), (0.95, 128)):
         for _ in range(rounds):
-            on_path = torch.stack([torch.ones(8, dtype=torch.bool), torch.rand(8, generator=gen) < p], dim=1)
+            rate = torch.tensor([0.5] * 4 + [p] * 4)
+            on_path = torch.stack([torch.ones(8, dtype=torch.bool), torch.rand(8, generator=gen) < rate], dim=1)
             cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.estimates())
     est = cal.estimates()
-    assert est[node[True]] == cal._base[node[True]] and cal._base[node[True]] < 0.85
-    assert est[node[False]].item() == pytest.approx(0.95, abs=0.05)
+    assert cal._base[node[True]] < 0.85
+    assert est[node[True]].item() == pytest.approx(0.95, abs=0.05)
+    assert est[node[False]].item() == pytest.approx(0.5, abs=0.08)
 
 
 def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():

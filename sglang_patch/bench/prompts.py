@@ -71,3 +71,19 @@ def load_prompts(
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def split_warmup(prompts: List[BenchPrompt], measured: int, warmup: int) -> tuple:
+    """The measured prompts (the first ``measured``) and the warm-up prompts (the last ``warmup``,
+    disjoint from them) of one prompt set.
+
+    Every server is warmed up on the held-out prompts before it is measured, so the measured runs
+    see a server in steady state (compiled paths, calibration bins past their priors, retrieval
+    indexes holding earlier traffic) without its indexes holding answers to the measured prompts.
+
+    Raises:
+        ValueError: the set holds fewer than ``measured + warmup`` prompts.
+    """
+    if measured + warmup > len(prompts):
+        raise ValueError(f"{measured} measured + {warmup} warm-up prompts, but the set holds {len(prompts)}")
+    return prompts[:measured], prompts[len(prompts) - warmup:] if warmup else []
