@@ -228,13 +228,14 @@ class BatchBudget:
     def cost(self, bucket: int, width: int, model: Optional[Tuple[float, float]] = None) -> float:
         """Seconds of one round at ``width`` for a batch in ``bucket``: the median of its own
         measurements once it has ``min_samples``, else the `cost_model` prediction from the bucket's
-        base-width time (0 when neither exists). A plain (width-1) round also owes its share of the
-        deferred draft catch-up (`catch_up_time`)."""
+        base-width time (0 when neither exists). The base width itself is always priced by its own
+        measurements, however few. A plain (width-1) round also owes its share of the deferred draft
+        catch-up (`catch_up_time`)."""
         t = self._time(bucket, width)
         base = self._time(bucket, self.widths[0])
         owed = self._catch_up.get(bucket, 0.0) if width == 1 else 0.0   # the draft extends a plain round defers
-        if t.samples >= self.config.min_samples or model is None or not base.samples:
-            return t.seconds + owed
+        if width == self.widths[0] or t.samples >= self.config.min_samples or model is None or not base.samples:
+            return t.seconds + owed   # the base width is always its own measurement (never the model's)
         draft, per_token = model
         return base.seconds + (draft if self.widths[0] == 1 else 0.0) + per_token * bucket * (width - self.widths[0])
 

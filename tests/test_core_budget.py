@@ -187,6 +187,21 @@ def test_cost_model_prices_a_new_batch_size_without_exploring_it():
     assert b.summary()["cost_model"] == {"draft_ms": 40.0, "per_token_ms": 0.5}
 
 
+def test_the_base_width_is_priced_by_its_own_measurement_and_its_catch_up():
+    """With the cost model fitted, a bucket whose plain width has fewer than ``min_samples``
+    rounds still prices that width as its measured time plus the catch-up it owes, never as
+    ``base + draft`` (which would make a new batch size's first plain rounds look dearer)."""
+    b = BatchBudget((1, 12, 24), BatchBudgetConfig(min_samples=2))
+    for bs in (1, 8):
+        _run(b, list(range(bs)), {w: _linear_device(bs, w) for w in b.widths}, {1: 1.0, 12: 3.0, 24: 3.5}, rounds=30)
+    model = b.cost_model()
+    assert model is not None and model[0] == pytest.approx(0.040, rel=1e-3)
+    b.round_time(1, 32, 0.050)                      # one plain round at 32 requests
+    b.catch_up_time(32, 4, 0.040)                   # 10 ms owed per plain round
+    assert b.cost(32, 1, model) == pytest.approx(0.060)
+    assert b.cost(32, 12, model) == pytest.approx(0.050 + 0.040 + 0.0005 * 32 * 11, rel=1e-3)
+
+
 def test_an_optimistic_prediction_is_measured_and_replaced():
     """Where the device is dearer than the model predicts, the width runs until it has
     ``min_samples`` times of its own, and then stops."""
