@@ -226,6 +226,18 @@ class GraftPlanner:
             self.groups.release(req_id)
         self.retriever.stop(req_id)
 
+    def clear_cache(self) -> None:
+        """Forget the text earlier requests left behind - the successor table and the output index -
+        as SGLang's ``/flush_cache`` forgets cached prefixes (``scheduler.py:5518``; NGRAM resets its
+        trie there, ``ngram_worker.py:150``). The calibration and the configured corpus stay: they
+        hold acceptance statistics and operator-supplied text, not earlier requests' tokens.
+        Device tables are emptied in place; call it with no request running (SGLang flushes only
+        when the scheduler is idle)."""
+        if self.successor is not None:
+            self.successor.clear()
+        if self.outputs is not None:
+            self.outputs.clear()
+
     def group_of(self, req_id: Hashable) -> int:
         """The request's isolation group (0 when it has none yet)."""
         return self._group.get(req_id, 0)

@@ -513,6 +513,12 @@ class GraftWorker(EAGLEWorkerV2):
                              self.req_to_token_pool.req_to_token.shape[0])
         self._stub_skipped_draft_extend(batch, batch_result)
 
+    def clear_cache_pool(self):
+        """SGLang's ``/flush_cache`` hook (``scheduler.py:5531``, idle scheduler only): the planner
+        forgets earlier requests' text (`GraftPlanner.clear_cache`), as NGRAM resets its trie."""
+        super().clear_cache_pool()
+        self.planner.clear_cache()
+
     def live_graft_requests(self) -> int:
         """Requests currently holding graft state (tests, logs)."""
         return self.requests.live()

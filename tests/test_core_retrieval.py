@@ -391,6 +391,36 @@ def test_output_index_groups_are_isolated_and_forgotten_on_handover():
     assert not ring.propose(hist, count, torch.tensor([1, 2, 0, 3]))[1][0].any()
 
 
+def test_flush_empties_the_output_index_and_successor_table_in_place():
+    """`GraftPlanner.clear_cache` (SGLang's ``/flush_cache``): the output index and the successor
+    table forget earlier requests' text, in place (CUDA graphs keep their addresses), and fill
+    again afterwards from position 0; the calibration is kept."""
+    from graft_spec.config import GraftConfig
+    from graft_spec.pipeline import GraftPlanner
+
+    planner = GraftPlanner(GraftConfig(num_draft_tokens=6, topk=2, depth=2, retrieval={"outputs": "on"}), 64)
+    ring, succ = planner.outputs, planner.successor
+    ring.start("a", [1, 2, 3])
+    ring.extend("a", [10, 11, 12])
+    ring.stop("a")
+    succ.warm_start(torch.tensor([3, 10]), torch.tensor([10, 11]), torch.ones(2, dtype=torch.bool),
+                    torch.zeros(2, dtype=torch.int64))
+    hist, count = _windows([[2, 3]])
+    groups = torch.zeros(1, dtype=torch.int64)
+    assert ring.propose(hist, count, groups)[1].any() and succ.expand(torch.tensor([3]))[1].any()
+    planner.calibrator.trials += 1.0
+    addresses = [t.data_ptr() for t in (ring.ring, ring.tag, ring.table, ring.total, succ.table)]
+    planner.clear_cache()
+    assert not ring.propose(hist, count, groups)[1].any() and not succ.expand(torch.tensor([3]))[1].any()
+    assert [t.data_ptr() for t in (ring.ring, ring.tag, ring.table, ring.total, succ.table)] == addresses
+    assert int(ring.total) == 0 and bool((planner.calibrator.trials[:-1] == 1.0).all())
+    ring.start("b", [1, 2, 3])
+    ring.extend("b", [20, 21])
+    ring.stop("b")
+    tokens, valid, _ = ring.propose(hist, count, groups)
+    assert tokens[0, 0, :2].tolist() == [20, 21] and valid[0, 0].sum() == 2
+
+
 def test_output_index_memory_is_fixed_and_keeps_the_newest():
     rng = random.Random(3)
     ring = OutputRing(capacity=512, max_match=4, depth=4)

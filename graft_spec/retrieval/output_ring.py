@@ -158,6 +158,14 @@ class OutputRing:
         self._total = start + n + 1
         self.total.fill_(self._total)
 
+    def clear(self) -> None:
+        """Forget every earlier output (SGLang's ``/flush_cache``): the ring, tags and tables are
+        emptied in place (CUDA graphs keep their addresses); live requests keep their records."""
+        for t in (self.ring, self.tag, self.table):
+            t.fill_(-1)
+        self.total.zero_()
+        self._total = 0
+
     def forget_group(self, group: int) -> None:
         """Drop every position of ``group`` (its isolation group was handed to another tenant)."""
         self.tag.masked_fill_(self.tag == int(group), -1)

@@ -122,6 +122,10 @@ class SuccessorTable:
         """Forget everything a group learnt (a group reassigned to a new tenant / request)."""
         self.table.view(self.groups, self.rows + 2, self.k)[group].fill_(-1)
 
+    def clear(self) -> None:
+        """Forget every group's successors (SGLang's ``/flush_cache``), in place."""
+        self.table.fill_(-1)
+
     # ------------------------------------------------------------------ proposal
     def expand(self, roots: torch.Tensor, groups: torch.Tensor | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the template under every root token, one gather per template depth.

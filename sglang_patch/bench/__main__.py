@@ -115,8 +115,14 @@ def main(argv: List[str] | None = None) -> int:
             startup = time.perf_counter() - t_start
             _warm_up(srv.url, warmup, sets, a)
             per_mode: Dict[tuple, List[Dict[str, Any]]] = {}
+            sent: set = set()
             for set_name, mode, c, seed in runs:
                 bar.set_postfix_str(f"{spec.label} {set_name} {mode} c={c}")
+                flushed = set_name in sent
+                if flushed:  # these prompts' answers are in the server's caches: forget them first
+                    _flush(srv.url)
+                    _warm_up_mode(srv.url, warmup[set_name], mode, a)
+                sent.add(set_name)
                 params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
                 if seed is not None:
                     params["sampling_seed"] = seed
@@ -125,7 +131,7 @@ def main(argv: List[str] | None = None) -> int:
                 after = _graft_state(srv.url)
                 row = {"method": spec.method, "label": spec.label, "num_draft_tokens": spec.num_draft_tokens,
                        "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed,
-                       "startup_s": startup, **summarize(run, spec.num_draft_tokens or 1)}
+                       "startup_s": startup, "flushed": flushed, **summarize(run, spec.num_draft_tokens or 1)}
                 if before is not None and after is not None:
                     row["calibration"] = calibration_delta(before, after)
                     row["draft_forwards"] = {k: after["draft_forwards"][k] - before["draft_forwards"][k]
@@ -176,10 +182,37 @@ def _warm_up(url: str, warmup: Dict[str, list], sets: Dict[str, list], a: argpar
         return
     for prompts in warmup.values():
         for mode in a.modes:
-            params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
-            if mode == "sampled":
-                params["sampling_seed"] = max(a.seeds) + 1
-            run_prompts_sync(url, prompts, 1, params)
+            _warm_up_mode(url, prompts, mode, a)
+
+
+def _warm_up_mode(url: str, prompts: list, mode: str, a: argparse.Namespace) -> None:
+    """Send held-out warm-up ``prompts`` once in ``mode`` at concurrency 1 (sampled: seed
+    ``max(seeds) + 1``); nothing when there are none."""
+    if not prompts:
+        return
+    params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
+    if mode == "sampled":
+        params["sampling_seed"] = max(a.seeds) + 1
+    run_prompts_sync(url, prompts, 1, params)
+
+
+def _flush(url: str, tries: int = 20) -> None:
+    """SGLang's ``/flush_cache`` before a run that repeats a prompt set this server was already
+    sent (another mode, seed or concurrency): the radix cache and what speculation keeps of earlier
+    requests' text (NGRAM's trie, graft's output index and successor table) are forgotten, so a
+    repeated prompt's answer is not retrieved from the run before. The calibration and the batch
+    budget's timings stay (statistics, not text). The scheduler flushes only when idle; a refusal
+    is retried.
+
+    Raises:
+        RuntimeError: the server refused every try.
+    """
+    for _ in range(tries):
+        r = httpx.post(f"{url}/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"/flush_cache refused {tries} times: {r.status_code} {r.text[:200]}")
 
 
 def _width_rounds(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, int]:
