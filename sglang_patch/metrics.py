@@ -29,6 +29,7 @@ Mean estimated vs observed acceptance of a member = ``estimated_total / trials_t
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Sequence
 
 from graft_spec.calibration import MEMBER_NAMES
@@ -45,7 +46,10 @@ class GraftStats:
     Attributes:
         accepted: accepted tokens by source (draft / retrieved / padding) plus ``bonus``.
         accept_length_counts: {accept length: rounds}.
-        calibration: per member source [trials, sum of estimates, hits].
+        calibration: per member source [trials, sum of estimates, hits, sum over rounds of
+            (hits - sum of estimates)^2]; `summary` gives the mean estimate's error's standard error
+            with the round as the cluster (``stderr`` = sqrt of that sum / trials): a round's nodes
+            share a path, so a chain of 20 nodes from one wrong match is one outcome, not 20.
         depth: per depth [verified nodes, accepted nodes].
         draft_forwards: {"run": n, "skipped": n}.
         verify_widths: {width: decode rounds} (batch budget); last_batch_tokens: the last round's
@@ -55,7 +59,7 @@ class GraftStats:
     def __init__(self, prometheus: bool = False):
         self.accepted: Dict[str, int] = {name: 0 for name in (*SOURCE_NAMES, "bonus")}
         self.accept_length_counts: Dict[int, int] = {}
-        self.calibration: Dict[str, List[float]] = {m: [0.0, 0.0, 0.0] for m in MEMBER_NAMES}
+        self.calibration: Dict[str, List[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in MEMBER_NAMES}
         self.depth: Dict[int, List[float]] = {}
         self.draft_forwards: Dict[str, int] = {"run": 0, "skipped": 0}
         self.verify_widths: Dict[int, int] = {}
@@ -89,6 +93,7 @@ class GraftStats:
                 c[0] += t
                 c[1] += e
                 c[2] += h
+                c[3] += (h - e) ** 2    # the round is the cluster: its nodes' outcomes are correlated
                 if self._prom:
                     self._prom.cal_trials.labels(member=name).inc(t)
                     self._prom.cal_estimated.labels(member=name).inc(e)
@@ -119,8 +124,9 @@ class GraftStats:
 
     def summary(self) -> dict:
         """The ``/server_info`` view: counts, and estimated vs observed acceptance per member and depth."""
-        cal = {m: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None)}
-               for m, (t, e, h) in self.calibration.items()}
+        cal = {m: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None),
+                   "sq_error": sq, "stderr": (math.sqrt(sq) / t if t else None)}
+               for m, (t, e, h, sq) in self.calibration.items()}
         depth = {d: {"verified": int(t), "observed": h / t} for d, (t, h) in sorted(self.depth.items()) if t}
         return {"accepted_tokens": dict(self.accepted),
                 "accept_length_hist": dict(sorted(self.accept_length_counts.items())),

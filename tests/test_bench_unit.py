@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -101,6 +102,19 @@ def test_calibration_deltas_merge_and_text_quality():
     assert d["trials"] == 20 and d["estimated"] == pytest.approx((12 - 5) / 20) and d["observed"] == pytest.approx(0.25)
     m = merge_calibration([calibration_delta(before, after), calibration_delta(before, before)])["draft"]
     assert m["trials"] == 20 and m["observed"] == pytest.approx(0.25)
+    # the standard error of observed - estimated, the verify round as the cluster
+    from sglang_patch.metrics import GraftStats
+    stats = GraftStats()
+    rounds = [(10, 5.0, 8), (10, 5.0, 2), (4, 2.0, 2)]     # (trials, sum of estimates, hits) of "suffix"
+    for t, e, h in rounds:
+        stats.record_round([], [[0, 0, 0]] * 2 + [[t, e, h]] + [[0, 0, 0]] * 4, [])
+    first = stats.summary()
+    assert first["calibration"]["suffix"]["stderr"] == pytest.approx(math.sqrt(9 + 9 + 0) / 24)
+    stats.record_round([], [[0, 0, 0]] * 2 + [[6, 3.0, 6]] + [[0, 0, 0]] * 4, [])
+    d = calibration_delta(first, stats.summary())["suffix"]
+    assert d["trials"] == 6 and d["stderr"] == pytest.approx(3.0 / 6) and d["observed"] == pytest.approx(1.0)
+    both = merge_calibration([{"suffix": d}, calibration_delta({"calibration": {}}, first)])["suffix"]
+    assert both["trials"] == 30 and both["stderr"] == pytest.approx(math.sqrt(27) / 30)
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -79,16 +80,22 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
 
 def calibration_delta(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
     """A graft server's calibration over one run, from two ``/server_info`` worker states: per member
-    source ``{trials, est_sum, hit_sum, estimated, observed}`` (means over the run's verified nodes)."""
+    source ``{trials, est_sum, hit_sum, sq_error, estimated, observed, stderr}`` (means over the
+    run's verified nodes; ``stderr`` the standard error of ``observed - estimated`` with the verify
+    round as the cluster, `sglang_patch.metrics.GraftStats`)."""
     out = {}
     for m, a in after["calibration"].items():
         b = before["calibration"].get(m, {"trials": 0})
         t = a["trials"] - b["trials"]
         sums = lambda c, k: (c.get(k) or 0.0) * c["trials"]  # noqa: E731
         e, h = sums(a, "estimated") - sums(b, "estimated"), sums(a, "observed") - sums(b, "observed")
-        out[m] = {"trials": t, "est_sum": e, "hit_sum": h, "estimated": e / t if t else None,
-                  "observed": h / t if t else None}
+        out[m] = _calibration_row(t, e, h, (a.get("sq_error") or 0.0) - (b.get("sq_error") or 0.0))
     return out
+
+
+def _calibration_row(t: float, e: float, h: float, sq: float) -> Dict[str, Any]:
+    return {"trials": t, "est_sum": e, "hit_sum": h, "sq_error": sq, "estimated": e / t if t else None,
+            "observed": h / t if t else None, "stderr": math.sqrt(max(sq, 0.0)) / t if t else None}
 
 
 def merge_calibration(parts: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
@@ -98,8 +105,7 @@ def merge_calibration(parts: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dic
         t = sum(p[m]["trials"] for p in parts)
         e = sum(p[m]["est_sum"] for p in parts)
         h = sum(p[m]["hit_sum"] for p in parts)
-        out[m] = {"trials": t, "est_sum": e, "hit_sum": h, "estimated": e / t if t else None,
-                  "observed": h / t if t else None}
+        out[m] = _calibration_row(t, e, h, sum(p[m].get("sq_error", 0.0) for p in parts))
     return out
 
 
