@@ -24,9 +24,11 @@ Example (the quick models, both prompt sets)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -64,6 +66,11 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                    help="graft_paper checkpoint thresholds at depths 1, 2 and depth-1")
     p.add_argument("--server-args", default="--dtype float32 --max-running-requests 32",
                    help="extra args for every server (one string; float32 keeps equality exact on CPU)")
+    p.add_argument("--interleave", action="store_true",
+                   help="hold every method's server up at once and run each (set, mode, concurrency, seed) on "
+                        "all of them back to back, instead of one server after another: this machine's speed "
+                        "drifts by a quarter between minutes, which a sequential run reads as a method's ratio "
+                        "(memory: one server per method and N)")
     p.add_argument("--json", default="bench_out/bench.json", help="output JSON path (plots beside it)")
     return p.parse_args(argv)
 
@@ -106,55 +113,77 @@ def main(argv: List[str] | None = None) -> int:
     quality: Dict[str, Dict[str, Any]] = {}
     mismatches: List[str] = []
     bar = tqdm(total=len(methods) * len(runs), desc="bench", unit="run")
-    for spec in methods:
+    per_cell: Dict[tuple, List[Dict[str, Any]]] = {}
+
+    def measure(server: "_Server", run: tuple) -> None:
+        set_name, mode, c, seed = run
+        spec, srv = server.spec, server.srv
+        bar.set_postfix_str(f"{spec.label} {set_name} {mode} c={c}")
+        params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
+        if seed is not None:
+            params["sampling_seed"] = seed
+        flushed = set_name in server.sent
+        if flushed:  # these prompts' answers are in the server's caches: forget them first
+            _flush(srv.url)
+            _warm_up_mode(srv.url, warmup[set_name], mode, a)
+        server.sent.add(set_name)
+        before = _graft_state(srv.url)
+        result = run_prompts_sync(srv.url, sets[set_name], c, params)
+        after = _graft_state(srv.url)
+        row = {"method": spec.method, "label": spec.label, "num_draft_tokens": spec.num_draft_tokens,
+               "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed,
+               "startup_s": server.startup, "flushed": flushed, **summarize(result, spec.num_draft_tokens or 1)}
+        if before is not None and after is not None:
+            row["calibration"] = calibration_delta(before, after)
+            row["draft_forwards"] = {k: after["draft_forwards"][k] - before["draft_forwards"][k]
+                                     for k in after["draft_forwards"]}
+            widths = _width_rounds(before, after)
+            if widths:  # the batch budget: the mean width it verified per request and round
+                row["verify_widths"] = widths
+                row["verified_tokens_per_step"] = sum(int(w) * k for w, k in widths.items()) / sum(widths.values())
+        outputs = [r.output_ids for r in result.results]
+        if spec.method == "nospec" and c == min(a.concurrency):
+            if mode == "greedy":
+                reference[set_name] = outputs
+            if seed in (None, a.seeds[0]):
+                quality.setdefault(set_name, {})[mode] = text_quality(outputs, tok)
+        elif spec.method != "nospec" and mode == "greedy":
+            server.greedy.append((set_name, c, outputs, row))
+        per_cell.setdefault((spec.label, set_name, mode, c), []).append(row)
+        bar.update(1)
+
+    def start(spec: MethodSpec, stack: contextlib.ExitStack) -> "_Server":
         args = spec.server_args() + (a.server_args.split() if a.server_args else [])
         bar.set_postfix_str(f"{spec.label}: starting server")
-        srv = SGLangServer(a.target, args, log_path=str(work / f"{spec.label}.log"))
         t_start = time.perf_counter()
-        with srv:
-            startup = time.perf_counter() - t_start
-            _warm_up(srv.url, warmup, sets, a)
-            per_mode: Dict[tuple, List[Dict[str, Any]]] = {}
-            sent: set = set()
-            for set_name, mode, c, seed in runs:
-                bar.set_postfix_str(f"{spec.label} {set_name} {mode} c={c}")
-                flushed = set_name in sent
-                if flushed:  # these prompts' answers are in the server's caches: forget them first
-                    _flush(srv.url)
-                    _warm_up_mode(srv.url, warmup[set_name], mode, a)
-                sent.add(set_name)
-                params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
-                if seed is not None:
-                    params["sampling_seed"] = seed
-                before = _graft_state(srv.url)
-                run = run_prompts_sync(srv.url, sets[set_name], c, params)
-                after = _graft_state(srv.url)
-                row = {"method": spec.method, "label": spec.label, "num_draft_tokens": spec.num_draft_tokens,
-                       "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed,
-                       "startup_s": startup, "flushed": flushed, **summarize(run, spec.num_draft_tokens or 1)}
-                if before is not None and after is not None:
-                    row["calibration"] = calibration_delta(before, after)
-                    row["draft_forwards"] = {k: after["draft_forwards"][k] - before["draft_forwards"][k]
-                                             for k in after["draft_forwards"]}
-                    widths = _width_rounds(before, after)
-                    if widths:  # the batch budget: the mean width it verified per request and round
-                        row["verify_widths"] = widths
-                        row["verified_tokens_per_step"] = sum(int(w) * k for w, k in widths.items()) / sum(widths.values())
-                outputs = [r.output_ids for r in run.results]
-                if spec.method == "nospec" and c == min(a.concurrency):
-                    if mode == "greedy":
-                        reference[set_name] = outputs
-                    if seed in (None, a.seeds[0]):
-                        quality.setdefault(set_name, {})[mode] = text_quality(outputs, tok)
-                elif spec.method != "nospec" and mode == "greedy" and set_name in reference:
-                    bad = equal_outputs(reference[set_name], outputs)
-                    row["outputs_equal_nospec"] = bad is None
-                    if bad is not None:
-                        mismatches.append(f"{spec.label} {set_name} c={c}: prompt {sets[set_name][bad].pid}")
-                per_mode.setdefault((set_name, mode, c), []).append(row)
-                bar.update(1)
-            for group in per_mode.values():   # sampled: one row, averaged over the seeds
-                rows.append(_mean_row(group) if len(group) > 1 else group[0])
+        srv = stack.enter_context(SGLangServer(a.target, args, log_path=str(work / f"{spec.label}.log")))
+        server = _Server(spec, srv, time.perf_counter() - t_start)
+        _warm_up(srv.url, warmup, sets, a)
+        return server
+
+    servers: List[_Server] = []
+    if a.interleave:
+        with contextlib.ExitStack() as stack:
+            servers = [start(spec, stack) for spec in methods]
+            for run in runs:
+                for server in servers:
+                    measure(server, run)
+    else:
+        for spec in methods:
+            with contextlib.ExitStack() as stack:
+                server = start(spec, stack)
+                servers.append(server)
+                for run in runs:
+                    measure(server, run)
+    for server in servers:   # greedy outputs against no-spec's (known once every server has run)
+        for set_name, c, outputs, row in server.greedy:
+            if set_name in reference:
+                bad = equal_outputs(reference[set_name], outputs)
+                row["outputs_equal_nospec"] = bad is None
+                if bad is not None:
+                    mismatches.append(f"{server.spec.label} {set_name} c={c}: prompt {sets[set_name][bad].pid}")
+    for group in per_cell.values():   # sampled: one row, averaged over the seeds
+        rows.append(_mean_row(group) if len(group) > 1 else group[0])
     bar.close()
     add_ratios(rows)
     payload = {"args": vars(a), "num_prompts": {k: len(v) for k, v in sets.items()},
@@ -168,6 +197,18 @@ def main(argv: List[str] | None = None) -> int:
         print("GREEDY OUTPUT MISMATCH vs no-spec: " + "; ".join(mismatches), file=sys.stderr)
         return 1
     return 0
+
+
+@dataclass
+class _Server:
+    """One method's running server in a benchmark: its spec, its `SGLangServer`, seconds it took to
+    start, the prompt sets it was sent (`_flush`) and its greedy rows waiting for the no-spec check."""
+
+    spec: MethodSpec
+    srv: Any
+    startup: float
+    sent: set = field(default_factory=set)
+    greedy: List[tuple] = field(default_factory=list)
 
 
 def _warm_up(url: str, warmup: Dict[str, list], sets: Dict[str, list], a: argparse.Namespace) -> None:
