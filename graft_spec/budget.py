@@ -63,6 +63,13 @@ _GAIN_EMA = 0.05
 _WIDTH_PSEUDO_NODES = 8.0
 #: per round since a request's gain curve was observed, the weight left on it against the mean curve
 _STALE_DECAY = 0.9
+#: speculative request-rounds over which the correction's evidence weight ramps from 0 to 1: the
+#: first rounds are priced by a calibrator at its priors, and their promise says nothing about the
+#: calibrator that follows (seen: 7 cold rounds realised a third of it, the correction froze at 0.33
+#: and, refreshed only by speculative rounds, kept 2217 later rounds plain where N 24 paid)
+_WARM_REQUEST_ROUNDS = 128
+#: pseudo accepted nodes at ratio 1 behind the global correction
+_GLOBAL_PSEUDO_NODES = 2.0
 
 
 def size_bucket(batch_size: int) -> int:
@@ -116,7 +123,7 @@ class BatchBudget:
         self._curve: Dict[Hashable, np.ndarray] = {}
         self._mean_curve = np.ones(len(widths))   # population mean of the observed curves
         self._mean_n = 0
-        self._predicted = 0.0         # EMA of predicted accepted nodes (bonus excluded) per request-round
+        self._predicted = 0.0         # decayed sum of predicted accepted nodes (bonus excluded) per request-round
         self._age: Dict[Hashable, int] = {}          # per request: rounds since its curve was observed
         self._by_width: Dict[Tuple[int, int], Tuple[float, float]] = {}   # (bucket, width): chosen-on, observed
         # per request: ((bucket, width), gain) its pending speculative rounds were chosen on
@@ -136,11 +143,12 @@ class BatchBudget:
     # ------------------------------------------------------------------ decisions
     @property
     def correction(self) -> float:
-        """Observed / predicted accepted nodes over recent speculative rounds (1 before any)."""
-        if self._predicted < 1e-3:
-            return 1.0
+        """Observed / predicted accepted nodes over recent speculative rounds, with
+        ``_GLOBAL_PSEUDO_NODES`` at ratio 1 (1 before any); the first ``_WARM_REQUEST_ROUNDS``
+        request-rounds enter with a weight ramping from 0 to 1 (the calibrator is still at its priors)."""
         lo, hi = _CORRECTION_RANGE
-        return float(min(hi, max(lo, self._observed / self._predicted)))
+        k = _GLOBAL_PSEUDO_NODES
+        return float(min(hi, max(lo, (self._observed + k) / (self._predicted + k))))
 
     def width_correction(self, bucket: int, width: int) -> float:
         """The correction of rounds at ``width`` for batches in ``bucket``: their own observed /
@@ -299,15 +307,21 @@ class BatchBudget:
     def catch_up_time(self, batch_size: int, rounds: int, seconds: float) -> None:
         """A deferred draft catch-up (sglang_patch/deferred_draft.py) of ``batch_size`` requests that
         covered ``rounds`` plain rounds took ``seconds``. It is kept out of the round times (the
-        caller starts the round's clock after it) and charged to plain rounds instead, per round
-        covered: it is work those plain rounds deferred, while it runs before the first drafting
-        round after them and was timed as part of that round. Shipped pair, concurrency 1, chat
-        greedy, 48 tokens: with it out, 12-wide rounds still time 76-88 ms against 21-22 ms plain
-        (draft and graft step on the 2-core CPU), so the budget still stays plain there."""
+        caller starts the round's clock after it) and charged to plain rounds instead: it is work
+        those plain rounds deferred, while it runs before the first drafting round after them and
+        was timed as part of that round. Per plain round it is charged as a stretch as long as the
+        window (``max(widths)`` rounds, the most a request waits) pays it, whatever it covered: a
+        catch-up is mostly one draft extend's fixed cost, so a plain round between speculative ones
+        pays a whole extend, and charging that made plain rounds dearer the more the budget
+        speculated (seen at concurrency 1, code greedy: 7 ms owed on 18-25 ms plain rounds, 12-wide
+        rounds bought at 49.8 tokens/s where no-spec reads 57). A choice of width 1 is a choice to
+        leave speculation, and leaving it makes the stretch. Shipped pair, concurrency 1, chat
+        greedy, 48 tokens: with the catch-up out of the round times, 12-wide rounds still time
+        76-88 ms against 21-22 ms plain (draft and graft step on the 2-core CPU)."""
         if rounds <= 0 or seconds <= 0:
             return
         bucket = size_bucket(batch_size)
-        per_round = float(seconds) / rounds
+        per_round = float(seconds) / max(rounds, self.widths[-1])   # as a full stretch pays it
         old = self._catch_up.get(bucket)
         self._catch_up[bucket] = per_round if old is None else 0.8 * old + 0.2 * per_round
         self.catch_up_seconds += float(seconds)
@@ -342,11 +356,12 @@ class BatchBudget:
             decided = self._decided.get(rid)
             key, predicted = decided.popleft() if decided else (None, max(expected[i, -1] - 1.0, 0.0))
             observed = max(accept_lens[i] - 1, 0)
-            self._predicted += _GAIN_EMA * (predicted - self._predicted)
-            self._observed += _GAIN_EMA * (observed - self._observed)
+            w = min(1.0, self._mean_n / _WARM_REQUEST_ROUNDS)              # evidence weight (warm-up ramp)
+            self._predicted = (1 - _GAIN_EMA) * self._predicted + w * predicted   # decayed sums, like _by_width
+            self._observed = (1 - _GAIN_EMA) * self._observed + w * observed
             if key is not None:   # decayed sums: the newest ~1 / _GAIN_EMA request-rounds weigh most
                 pred, obs = self._by_width.get(key, (0.0, 0.0))
-                self._by_width[key] = ((1 - _GAIN_EMA) * pred + predicted, (1 - _GAIN_EMA) * obs + observed)
+                self._by_width[key] = ((1 - _GAIN_EMA) * pred + w * predicted, (1 - _GAIN_EMA) * obs + w * observed)
 
     def forget(self, rid: Hashable) -> None:
         """Drop a finished request's gain curve."""
