@@ -162,7 +162,7 @@ def test_cold_start_rounds_do_not_lock_speculation_out():
 
 def test_deferred_catch_up_is_charged_to_plain_rounds():
     """A catch-up of deferred draft extends (reported apart from the round times) makes plain
-    rounds dearer by its cost per round covered: 0.2 s per plain round tips a batch from plain
+    rounds dearer by its cost per round of a full stretch: 0.2 s per plain round tips a batch from plain
     (8 tokens/s against 7.5 for 12-wide) to 12-wide (6.7 against 7.5)."""
     rids = list(range(8))
     curve = {1: 1.0, 12: 3.0, 24: 3.5}
