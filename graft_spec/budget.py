@@ -72,6 +72,19 @@ _WARM_REQUEST_ROUNDS = 128
 _GLOBAL_PSEUDO_NODES = 2.0
 
 
+def _shrunk_ratio(predicted: float, observed: float, pseudo: float, prior: float) -> float:
+    """Observed / predicted accepted nodes with ``pseudo`` nodes at ratio ``prior``, clamped to
+    ``_CORRECTION_RANGE``."""
+    lo, hi = _CORRECTION_RANGE
+    return float(min(hi, max(lo, (observed + pseudo * prior) / (predicted + pseudo))))
+
+
+def _add_evidence(sums: Tuple[float, float], predicted: float, observed: float) -> Tuple[float, float]:
+    """Decayed sums (predicted, observed) with a request-round added: the newest ~1 / _GAIN_EMA
+    request-rounds weigh most."""
+    return (1 - _GAIN_EMA) * sums[0] + predicted, (1 - _GAIN_EMA) * sums[1] + observed
+
+
 def size_bucket(batch_size: int) -> int:
     """The power of two >= ``batch_size`` (round times are kept per bucket)."""
     return 1 << max(0, int(batch_size) - 1).bit_length()
@@ -146,19 +159,15 @@ class BatchBudget:
         """Observed / predicted accepted nodes over recent speculative rounds, with
         ``_GLOBAL_PSEUDO_NODES`` at ratio 1 (1 before any); the first ``_WARM_REQUEST_ROUNDS``
         request-rounds enter with a weight ramping from 0 to 1 (the calibrator is still at its priors)."""
-        lo, hi = _CORRECTION_RANGE
-        k = _GLOBAL_PSEUDO_NODES
-        return float(min(hi, max(lo, (self._observed + k) / (self._predicted + k))))
+        return _shrunk_ratio(self._predicted, self._observed, _GLOBAL_PSEUDO_NODES, 1.0)
 
     def width_correction(self, bucket: int, width: int) -> float:
         """The correction of rounds at ``width`` for batches in ``bucket``: their own observed /
         chosen-on nodes, shrunk toward the global `correction` by ``_WIDTH_PSEUDO_NODES`` pseudo
         nodes. Per width because the rounds a width is chosen for differ: on sampled chat a 24-wide
         round realised 38 tokens/s against 51 for plain ones while 12-wide ones realised 75."""
-        c = self.correction
         pred, obs = self._by_width.get((bucket, width), (0.0, 0.0))
-        lo, hi = _CORRECTION_RANGE
-        return float(min(hi, max(lo, (obs + _WIDTH_PSEUDO_NODES * c) / (pred + _WIDTH_PSEUDO_NODES))))
+        return _shrunk_ratio(pred, obs, _WIDTH_PSEUDO_NODES, self.correction)
 
     def expected_accept(self, rids: Sequence[Hashable], speculate: Sequence[bool],
                         bucket: Optional[int] = None) -> np.ndarray:
@@ -357,11 +366,10 @@ class BatchBudget:
             key, predicted = decided.popleft() if decided else (None, max(expected[i, -1] - 1.0, 0.0))
             observed = max(accept_lens[i] - 1, 0)
             w = min(1.0, self._mean_n / _WARM_REQUEST_ROUNDS)              # evidence weight (warm-up ramp)
-            self._predicted = (1 - _GAIN_EMA) * self._predicted + w * predicted   # decayed sums, like _by_width
-            self._observed = (1 - _GAIN_EMA) * self._observed + w * observed
-            if key is not None:   # decayed sums: the newest ~1 / _GAIN_EMA request-rounds weigh most
-                pred, obs = self._by_width.get(key, (0.0, 0.0))
-                self._by_width[key] = ((1 - _GAIN_EMA) * pred + w * predicted, (1 - _GAIN_EMA) * obs + w * observed)
+            self._predicted, self._observed = _add_evidence((self._predicted, self._observed),
+                                                            w * predicted, w * observed)
+            if key is not None:
+                self._by_width[key] = _add_evidence(self._by_width.get(key, (0.0, 0.0)), w * predicted, w * observed)
 
     def forget(self, rid: Hashable) -> None:
         """Drop a finished request's gain curve."""
