@@ -323,10 +323,10 @@ class BatchBudget:
         catch-up is mostly one draft extend's fixed cost, so a plain round between speculative ones
         pays a whole extend, and charging that made plain rounds dearer the more the budget
         speculated (seen at concurrency 1, code greedy: 7 ms owed on 18-25 ms plain rounds, 12-wide
-        rounds bought at 49.8 tokens/s where no-spec reads 57). A choice of width 1 is a choice to
-        leave speculation, and leaving it makes the stretch. Shipped pair, concurrency 1, chat
-        greedy, 48 tokens: with the catch-up out of the round times, 12-wide rounds still time
-        76-88 ms against 21-22 ms plain (draft and graft step on the 2-core CPU)."""
+        rounds bought at 53 tokens/s where no-spec read 57, docs/bench/issue15_v5i.json). A choice
+        of width 1 is a choice to leave speculation, and leaving it makes the stretch. Shipped pair,
+        concurrency 1, chat greedy, 48 tokens: with the catch-up out of the round times, 12-wide
+        rounds still time 76-88 ms against 21-22 ms plain (draft and graft step on the 2-core CPU)."""
         if rounds <= 0 or seconds <= 0:
             return
         bucket = size_bucket(batch_size)
