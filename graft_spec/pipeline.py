@@ -308,14 +308,15 @@ class GraftPlanner:
         floor = self.step.retrieval_floor(roots, host, hist, count, seq_lens, sampled, est)
         return ExpectedGainGate(self.calibrator, draft_bounds(self.calibrator, est), floor, sampled)
 
-    def observe(self, out: StepOutput, on_path: torch.Tensor, target_topk: Optional[torch.Tensor],
+    def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
                 committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
         """Device bookkeeping of a verified round (no host read): calibration counts, successor
         table, and the committed tokens appended to the slots' history.
 
         Args:
             out: the round's `StepOutput`.
-            on_path: ``bool[B, N]`` accepted nodes (`on_path_from_accept_index`).
+            on_path: ``bool[B, N]`` accepted nodes (`on_path_from_accept_index`); unused (may be
+                None) for a root-only tree (N = 1, a plain round), whose root is always accepted.
             target_topk: ``int64[B, N, k]`` the target's top-k after every node (successor update),
                 or None.
             committed: ``int64[B, >= accept_len]`` committed tokens (accepted nodes' tokens, then the
@@ -325,11 +326,13 @@ class GraftPlanner:
             `RoundStats` (device tensors, for an engine to copy to the host off the critical path).
         """
         tree = out.tree
-        if tree.tokens.shape[1] > 1:
-            members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
-        else:  # a root-only tree credits nothing (the root has no member bins): skip the table ops
-            members = torch.zeros_like(self.calibrator.member_stats)
-            depths = torch.zeros_like(self.calibrator.depth_stats)
+        if tree.tokens.shape[1] == 1:
+            # a root-only tree (a plain round) credits nothing, teaches the successor table nothing
+            # (its root has no group) and accepts no node: only the history grows
+            self.history.append(slot_ids, committed, accept_len)
+            return RoundStats(tree.tokens[:, :0], torch.zeros_like(self.calibrator.member_stats),
+                              torch.zeros_like(self.calibrator.depth_stats))
+        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),

@@ -199,12 +199,16 @@ class StepOutput:
         """The one-node tree of a plain decode round (width 1: the root is verified, the target's
         token after it is the bonus). ``roots``: ``int64[B]``; ``estimates``: the calibrator's table
         (the round's update credits nothing, every member bin is -1)."""
-        b = roots.shape[0]
-        tree = DraftTree(roots.reshape(b, 1).to(torch.int64),
-                         torch.full((b, 1), -1, dtype=torch.int64, device=roots.device),
-                         torch.zeros(b, 1, device=roots.device),
-                         torch.full((b, 1), SOURCE_DRAFT, dtype=torch.int64, device=roots.device))
-        return StepOutput.from_tree(tree, seq_lens, estimates)
+        b, dev = roots.shape[0], roots.device
+        minus_one = torch.full((b, 1), -1, dtype=torch.int64, device=dev)
+        tree = DraftTree(roots.reshape(b, 1).to(torch.int64), minus_one, torch.zeros(b, 1, device=dev),
+                         torch.full((b, 1), SOURCE_DRAFT, dtype=torch.int64, device=dev))
+        # `tree_layout` of a one-node tree, written out (every plain round builds one): depth 0,
+        # position = seq_len, the root sees itself, no child, no sibling
+        bins = torch.full((b, 1, NUM_MEMBERS), -1, dtype=torch.int64, device=dev)
+        return StepOutput(tree, bins, torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                          seq_lens.reshape(b, 1).to(torch.int64), torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+                          minus_one.clone(), minus_one.clone(), estimates)
 
     def pack(self) -> torch.Tensor:
         """``int64[B, N, 4 + NUM_MEMBERS]``: tokens, parents, source, log-estimate bits and member bins,

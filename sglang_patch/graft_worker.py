@@ -579,7 +579,7 @@ class GraftWorker(EAGLEWorkerV2):
         # a plain round's root carries no isolation group: its successor update is skipped
         if self.planner.successor is not None and logits is not None and n > 1:
             topk_ids = torch.topk(logits[: bs * n], self.planner.successor.k, dim=-1).indices
-        on_path = on_path_from_accept_index(result.accept_index, n)
+        on_path = on_path_from_accept_index(result.accept_index, n) if n > 1 else None
         committed = result.next_token_ids.view(bs, -1)
         stats = self.planner.observe(out, on_path, topk_ids, committed, result.accept_lens,
                                      batch.req_pool_indices)

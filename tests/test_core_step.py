@@ -570,3 +570,23 @@ def test_group_map_reuses_the_least_recently_used_group_and_resets_it():
     assert m.get("z") == (1, True)          # y was least recently used
     m.release("x")
     assert m.get("w") == (0, True)
+
+
+def test_root_only_layout_equals_the_general_layout():
+    """`StepOutput.root_only` writes the one-node layout out by hand (every plain round builds one):
+    the same tensors as `StepOutput.from_tree` of that tree."""
+    from graft_spec.step import StepOutput
+    from graft_spec.tree import DraftTree
+
+    roots, seq = torch.tensor([5, 9, 2]), torch.tensor([3, 0, 17])
+    est = torch.rand(4)
+    fast = StepOutput.root_only(roots, seq, est)
+    tree = DraftTree(roots[:, None], torch.full((3, 1), -1), torch.zeros(3, 1), torch.full((3, 1), SOURCE_DRAFT))
+    ref = StepOutput.from_tree(tree, seq, est)
+    for f in ("member_bins", "depth", "positions", "mask", "first_child", "next_sibling", "estimates"):
+        a, b = getattr(fast, f), getattr(ref, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+    for f in ("tokens", "parents", "logp", "source"):
+        a, b = getattr(fast.tree, f), getattr(ref.tree, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+    assert fast.first_child.data_ptr() != fast.next_sibling.data_ptr() != fast.tree.parents.data_ptr()

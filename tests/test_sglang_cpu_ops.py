@@ -228,6 +228,24 @@ def test_greedy_verify_caps_depth():
     assert predicts.tolist() == [1, 2, 3, 0, 0]  # bonus after node 2 = target's 3
 
 
+def test_greedy_verify_of_a_root_only_tree():
+    """Verify width 1 (a plain decode round): the root is accepted and the target's token after it
+    is the bonus, in the general path's layout (rows with a non-trivial retrieve index)."""
+    bs = 3
+    idx = torch.tensor([[4], [0], [9]])
+    nt = ns = torch.full((bs, 1), -1)
+    cand = torch.tensor([[5], [6], [7]])
+    target = torch.tensor([[11], [12], [13]])
+    predicts = torch.zeros(10, dtype=torch.int32)
+    accept = torch.full((bs, 4), 3, dtype=torch.int32)
+    num = torch.full((bs,), 9, dtype=torch.int32)
+    tree_ops.verify_tree_greedy_func(predicts, accept, num, cand, idx, nt, ns, target)
+    assert accept.tolist() == [[4, -1, -1, -1], [0, -1, -1, -1], [9, -1, -1, -1]]
+    assert num.tolist() == [0, 0, 0]
+    assert predicts.tolist() == [12, 0, 0, 0, 11, 0, 0, 0, 0, 13]
+    assert tree_ops.parents_from_links(nt, ns).tolist() == [[-1]] * bs
+
+
 def test_parents_from_links_roundtrip_and_unreachable():
     from graft_spec.tree import sibling_links
     gen = torch.Generator().manual_seed(11)
@@ -431,6 +449,19 @@ def test_cache_loc_ops_match_reference():
     ref = [int(r2t[r, c]) for r, s, e in zip(rpi.tolist(), start.tolist(), end.tolist()) for c in range(s, e)]
     assert got.tolist()[: len(ref)] == ref and got.numel() == 12 and got.dtype == torch.int64
 
+    start = torch.tensor([2, 0, 7])
+    positions = torch.empty(3, 4, dtype=torch.int64)
+    anchor = torch.zeros(3, 2, dtype=torch.int64)
+    got = cache_ops.assign_extend_cache_locs_uniform_func(rpi, r2t, start, 3, 4, "cpu", positions_out=positions,
+                                                          anchor_src=torch.tensor([7, 8, 9]), anchor_out=anchor)
+    ref = [int(r2t[r, c]) for r, s in zip(rpi.tolist(), start.tolist()) for c in range(s, s + 4)]
+    assert got.tolist() == ref and got.dtype == torch.int64
+    assert positions.tolist() == [[s + c for c in range(4)] for s in start.tolist()]
+    assert anchor[:, 0].tolist() == [7, 8, 9] and anchor[:, 1].tolist() == [0, 0, 0]
+    with pytest.raises(NotImplementedError, match="full_v2p"):
+        cache_ops.assign_extend_cache_locs_uniform_func(rpi, r2t, start, 3, 4, "cpu", full_v2p=r2t)
+
+    end = torch.tensor([6, 3, 8])
     r2t2 = r2t.clone()
     locs = torch.arange(100, 108, dtype=torch.int64)
     cache_ops.assign_req_to_token_pool_func(rpi, r2t2, start, end, locs, 3)
@@ -446,6 +477,9 @@ def test_cache_loc_ops_match_reference():
     front = torch.zeros(12, dtype=torch.int64)
     cache_ops.fill_front_out_cache_loc_func(torch.tensor([2, 4, 1]), window, front)
     assert front.tolist()[:7] == [1000, 1001, 1004, 1005, 1006, 1007, 1008]
+    front = torch.full((6,), -5, dtype=torch.int64)
+    cache_ops.fill_front_out_cache_loc_func(torch.tensor([0, 2, 1]), torch.arange(10, 16), front)
+    assert front.tolist() == [12, 13, 14, -5, -5, -5]  # an empty row is skipped, the rest untouched
 
     acc_tokens = torch.tensor([[5, 6, 7], [8, -1, -1], [1, 2, -1]])
     bonus = torch.empty(3, dtype=torch.int32)
@@ -571,10 +605,11 @@ def _layer(hq=4, hk=2, d=8):
                            scaling=d ** -0.5, is_cross_attention=False, sliding_window_size=-1)
 
 
-@pytest.mark.parametrize("mode", [QLEN, FULL, None])
-def test_verify_attention_matches_reference(mode):
+@pytest.mark.parametrize("mode,n", [(QLEN, 6), (FULL, 6), (None, 6), (QLEN, 1), (FULL, 1), (None, 1)])
+def test_verify_attention_matches_reference(mode, n):
+    """n = 1: the root-only tree of a plain decode round."""
     gen = torch.Generator().manual_seed(9)
-    bs, n, hq, hk, d = 3, 6, 4, 2, 8
+    bs, hq, hk, d = 3, 4, 2, 8
     layer = _layer(hq, hk, d)
     seq_lens = torch.tensor([4, 0, 9])
     r2t = torch.randperm(200, generator=gen)[: 4 * 32].view(4, 32).to(torch.int32)
@@ -586,6 +621,9 @@ def test_verify_attention_matches_reference(mode):
     if mode is None:
         parents = [list(range(-1, n - 1))] * bs        # chain
         mask = None
+    elif n == 1:
+        parents = [[-1]] * bs
+        mask = torch.ones(bs if mode == QLEN else int(seq_lens.sum()) + bs, dtype=torch.bool)
     else:
         nmask = (torch.ones(bs * n * n, dtype=torch.bool) if mode == QLEN
                  else torch.ones(int(seq_lens.sum()) * n + bs * n * n, dtype=torch.bool))

@@ -91,12 +91,16 @@ def verify_forward_extend(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise NotImplementedError("CPU tree verify: sliding-window/cross attention layers are not supported")
     n = int(forward_batch.spec_info.draft_token_num)
     q_, out, attend = _rows(backend, q, k, v, layer, forward_batch, save_kv_cache)
-    masks = verify_kv_mask(getattr(forward_batch.spec_info, "custom_mask", None), forward_batch.seq_lens, n)
     req_to_token = backend.req_to_token_pool.req_to_token
-    for b, (row, mask) in enumerate(zip(forward_batch.req_pool_indices.tolist(), masks)):
+    rows = forward_batch.req_pool_indices.tolist()
+    if n == 1:  # a root-only tree (verify width 1, a plain decode step) sees every key: no mask, as in decode
+        for b, (row, length) in enumerate(zip(rows, forward_batch.seq_lens.tolist())):
+            out[b:b + 1] = attend(q_[b:b + 1], req_to_token[row, : int(length) + 1].to(torch.int64), None)
+        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+    masks = verify_kv_mask(getattr(forward_batch.spec_info, "custom_mask", None), forward_batch.seq_lens, n)
+    for b, (row, mask) in enumerate(zip(rows, masks)):
         slots = req_to_token[row, : mask.shape[1]].to(torch.int64)
-        # a root-only tree (verify width 1, a plain decode step) sees every key: no mask, as in decode
-        out[b * n:(b + 1) * n] = attend(q_[b * n:(b + 1) * n], slots, None if n == 1 else mask)
+        out[b * n:(b + 1) * n] = attend(q_[b * n:(b + 1) * n], slots, mask)
     return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 

@@ -67,7 +67,8 @@ def assign_draft_cache_locs_contiguous_func(
     bs = seq_lens.shape[0]
     width = topk * num_cols
     starts = seq_lens.to(torch.int64)
-    locs = _ragged_gather(req_to_token, req_pool_indices, starts, starts + width)
+    cols = starts[:, None] + torch.arange(width, device=starts.device)
+    locs = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols].reshape(-1)
     out_cache_loc[: bs * width].copy_(locs.to(out_cache_loc.dtype))
     if positions is not None:
         positions[: bs * topk].copy_(starts.repeat_interleave(topk).to(positions.dtype))
@@ -96,14 +97,58 @@ def assign_extend_cache_locs_func(
     return out
 
 
+def assign_extend_cache_locs_uniform_func(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+    device,
+    *,
+    full_v2p: Optional[torch.Tensor] = None,
+    swa_v2p: Optional[torch.Tensor] = None,
+    full_out: Optional[torch.Tensor] = None,
+    swa_out: Optional[torch.Tensor] = None,
+    page_size: int = 1,
+    positions_out: Optional[torch.Tensor] = None,
+    anchor_src: Optional[torch.Tensor] = None,
+    anchor_out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Replaces ``assign_extend_cache_locs_uniform_func`` (cache_locs.py:596), the verify window's
+    KV slots of every verify round (``eagle_prepare_for_verify``, eagle_utils.py:357).
+
+    Every row extends exactly ``draft_token_num`` tokens, so this is one static-shape gather,
+    ``req_to_token[r_b, start_b : start_b + draft_token_num]`` flattened to
+    ``int64[batch_size * draft_token_num]``, as the Triton kernel computes it (SGLang's own
+    non-Triton fallback goes through the ragged variant). Optionally ``positions_out``
+    ``int64[batch_size, draft_token_num]`` = start + column and ``anchor_out[:, 0]`` = ``anchor_src``.
+
+    Raises:
+        NotImplementedError: the fused physical-slot translation (``full_v2p``), Triton only.
+    """
+    del swa_v2p, full_out, swa_out, page_size
+    if full_v2p is not None:
+        raise NotImplementedError("assign_extend_cache_locs_uniform_func: the fused write translation "
+                                  "(full_v2p) needs a Triton device")
+    cols = (start_offset[:batch_size].to(torch.int64)[:, None]
+            + torch.arange(draft_token_num, device=start_offset.device))
+    if positions_out is not None:
+        positions_out.copy_(cols.view_as(positions_out))
+    if anchor_out is not None:
+        anchor_out[:, 0].copy_(anchor_src.view(-1))
+    rows = req_pool_indices[:batch_size].to(torch.int64)[:, None]
+    return req_to_token[rows, cols].reshape(-1).to(device=device, dtype=torch.int64)
+
+
 def fill_front_out_cache_loc_func(num_front: torch.Tensor, out_cache_loc: torch.Tensor,
                                   front_out_cache_loc: torch.Tensor) -> None:
     """Replaces ``fill_front_out_cache_loc_func`` (cache_locs.py:752): packs the first
-    ``num_front[i]`` slots of request i's window (``out_cache_loc`` viewed ``[B, window]``)."""
+    ``num_front[i]`` slots of request i's window (``out_cache_loc`` viewed ``[B, window]``), in row
+    order (a mask over the fixed-width window: no ragged index arithmetic)."""
     bs = num_front.numel()
     window = out_cache_loc.view(bs, -1)
-    rows = torch.arange(bs, device=window.device)
-    locs = _ragged_gather(window, rows, torch.zeros_like(num_front), num_front)
+    keep = torch.arange(window.shape[1], device=window.device)[None, :] < num_front.reshape(bs, 1)
+    locs = window[keep]
     front_out_cache_loc[: locs.numel()] = locs.to(front_out_cache_loc.dtype)
 
 

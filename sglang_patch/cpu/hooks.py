@@ -36,11 +36,13 @@ HOOKS = [
     (f"{_SPEC}.row_argmax.row_argmax", HookType.REPLACE, sampling.row_argmax),
     # Overlap-scheduler relay read (overlap_utils.py:507).
     (f"{_SPEC}.gather_spec_extras.gather_spec_extras", HookType.REPLACE, cache_ops.gather_spec_extras),
-    # KV-slot bookkeeping (cache_locs.py:85, :679, :752; eagle.py:32, :73).
+    # KV-slot bookkeeping (cache_locs.py:85, :596, :679, :752; eagle.py:32, :73).
     (f"{_SPEC}.cache_locs.assign_draft_cache_locs_contiguous_func", HookType.REPLACE,
      cache_ops.assign_draft_cache_locs_contiguous_func),
     (f"{_SPEC}.cache_locs.assign_extend_cache_locs_func", HookType.REPLACE,
      cache_ops.assign_extend_cache_locs_func),
+    (f"{_SPEC}.cache_locs.assign_extend_cache_locs_uniform_func", HookType.REPLACE,
+     cache_ops.assign_extend_cache_locs_uniform_func),
     (f"{_SPEC}.cache_locs.fill_front_out_cache_loc_func", HookType.REPLACE,
      cache_ops.fill_front_out_cache_loc_func),
     (f"{_SPEC}.eagle.fill_bonus_tokens_func", HookType.REPLACE, cache_ops.fill_bonus_tokens_func),

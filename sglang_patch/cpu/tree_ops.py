@@ -107,6 +107,8 @@ def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> 
             builders, and ours, never produce one; verifying such a node would be unsound).
     """
     bs, n = next_token.shape
+    if n == 1:  # a root-only tree (a plain decode round): nothing to walk
+        return torch.full((bs, 1), -1, dtype=torch.int64, device=next_token.device)
     parents = torch.full((bs, n + 1), -1, dtype=torch.int64, device=next_token.device)
     owner = torch.arange(n, device=next_token.device, dtype=torch.int64).expand(bs, n)
     # Walk every node's child chain (first child, then its siblings) in lockstep.
@@ -156,6 +158,13 @@ def verify_tree_greedy_func(
 
     del topk
     depth_cap = accept_index.shape[1]
+    if candidates.shape[1] == 1:  # a root-only tree (a plain decode round): the target's token is the bonus
+        glob = retrieve_index[:, 0].to(torch.int64)
+        accept_index.fill_(-1)
+        accept_index[:, 0] = glob.to(accept_index.dtype)
+        accept_token_num.zero_()
+        predicts.view(-1)[glob] = target_predict[:, 0].to(predicts.dtype)
+        return predicts, accept_index, accept_token_num
     parents = parents_from_links(retrieve_next_token, retrieve_next_sibling)
     result = greedy_verify(candidates.to(torch.int64), parents, target_predict.to(torch.int64))
     path = result.accept_index
