@@ -44,7 +44,8 @@ their host state (tests/test_sglang_tp.py perturbs one rank on purpose).
 SGLang globals rebound for the length of a call (``_rebound``): ``eagle_worker_v2.organize_draft_results``
 (:919), ``eagle_worker_v2.select_top_k_tokens`` (:812, eager with a gate), ``eagle_worker_v2
 .build_eagle_verify_input`` (:717), the draft runner's ``forward`` (eager counting / skipping), and
-in plain rounds the draft worker's ``_draft_extend_for_decode`` (:1110, deferred).
+in plain rounds the draft worker's ``_draft_extend_for_decode`` (:1110, deferred) and
+``eagle_worker_common._finalize_accept_tree_path`` (:492, an identity for a root-only tree).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.managers.auxiliary_output import append_auxiliary_output
 from sglang.srt.runtime_context import get_spec
+from sglang.srt.speculative import eagle_worker_common as _ewc
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
@@ -270,6 +272,14 @@ def _layout(out: StepOutput, batch, target_worker, tree_mask_mode, topk: int, st
         numel = tree_mask_numel(mode, bs, n, total)
     return build_graft_verify_input(out, batch.seq_lens, mode=mode, topk=topk, steps=steps,
                                     mask_buffer=buffer, fill_prefix=fill, full_mask_numel=numel)
+
+
+def _path_already_in_front(batch, accept_index, accept_lens, predict, *args, **kwargs):
+    """Stands in for ``eagle_worker_common._finalize_accept_tree_path`` (:492) in a plain round: a
+    root-only tree's accepted path is its root, already at the front of its one-slot block, so the
+    compaction (a KV move onto the same slots, two gathers into copies) is an identity; ``predict``
+    is returned as is."""
+    return predict
 
 
 def _gated_select(select, gate, bs: int):
@@ -565,7 +575,9 @@ class GraftWorker(EAGLEWorkerV2):
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
         """EAGLE verify of the hybrid tree, then the round's device bookkeeping."""
         verify_input = batch.spec_info
-        result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
+        plain = self.speculative_num_draft_tokens == 1
+        with _rebound(_ewc, "_finalize_accept_tree_path", _path_already_in_front) if plain else contextlib.nullcontext():
+            result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if (isinstance(verify_input, GraftVerifyInput) and verify_input.graft_out is not None
                 and not batch.forward_mode.is_idle()):
             self._after_verify(batch, verify_input, result)

@@ -151,3 +151,14 @@ def test_warmup_prompts_are_held_out(tmp_path):
     assert split_warmup(load_prompts(f), 10, 0) == (load_prompts(f), [])
     with pytest.raises(ValueError, match="holds 10"):
         split_warmup(load_prompts(f), 8, 3)
+
+
+def test_prompt_sets_take_a_default_sets_bare_name_and_refuse_a_bare_unknown_one(capsys):
+    from sglang_patch.bench.__main__ import _parse
+
+    assert _parse(["--prompt-sets", "chat"]).prompt_sets == ["chat=data/mtbench_dev.jsonl"]
+    assert _parse(["--prompt-sets", "mine=x.jsonl", "code"]).prompt_sets == ["mine=x.jsonl",
+                                                                           "code=data/humaneval_dev.jsonl"]
+    with pytest.raises(SystemExit):
+        _parse(["--prompt-sets", "mine"])
+    assert "--prompt-sets: 'mine' is neither NAME=JSONL" in capsys.readouterr().err

@@ -582,3 +582,28 @@ def test_deferred_draft_extend_catch_up_window():
     assert batch.out_cache_loc.tolist() == [5, 6] and batch.spec_info is spec
     assert spec.topk_index.tolist() == [[7, 7], [0, 0]] and spec.hidden_states[:, 0].tolist() == [9.0, 0.0]
     assert d.count.tolist() == [0, 0, 0, 0] and d.catch_ups == 1
+
+
+def test_a_root_only_trees_path_compaction_is_an_identity():
+    """Plain rounds skip SGLang's accepted-path compaction (``_path_already_in_front``): for a
+    one-node tree the KV move's targets equal its sources and the predict / hidden gathers return
+    their inputs, so skipping it changes nothing."""
+    from sglang.srt.speculative.eagle_worker_common import _compact_accept_to_front
+
+    from sglang_patch.cpu import cache_ops
+    from sglang_patch.graft_worker import _path_already_in_front
+
+    bs = 5
+    accept_index = torch.arange(bs, dtype=torch.int32)[:, None]        # node 0 of each one-node block
+    accept_lens = torch.ones(bs, dtype=torch.int32)
+    out_cache_loc = torch.tensor([40, 7, 13, 99, 2])
+    tgt, src = torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
+    cache_ops.fill_front_out_cache_loc_func(accept_lens, out_cache_loc, tgt)     # as move_accept_tokens_...
+    cache_ops.fill_accept_out_cache_loc_func(accept_index, out_cache_loc, src, bs)
+    assert torch.equal(tgt, src)
+    predict = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32)
+    hidden = torch.randn(bs, 6)
+    assert torch.equal(_compact_accept_to_front(predict, accept_index, bs, num_draft_tokens=1), predict)
+    assert torch.equal(_compact_accept_to_front(hidden, accept_index, bs, num_draft_tokens=1), hidden)
+    assert _path_already_in_front(None, accept_index, accept_lens, predict, None, bs,
+                                  token_to_kv_pool_allocator=None, num_draft_tokens=1) is predict
