@@ -44,8 +44,8 @@ from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outp
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
-#: the default prompt sets (NAME=JSONL) and their bare names on the command line
-_DEFAULT_SETS = {"code=data/humaneval_dev.jsonl": "code", "chat=data/mtbench_dev.jsonl": "chat"}
+#: the default prompt sets: bare name on the command line -> NAME=JSONL
+_DEFAULT_SETS = {"code": "code=data/humaneval_dev.jsonl", "chat": "chat=data/mtbench_dev.jsonl"}
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:
@@ -53,9 +53,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="models/default/target", help="target model directory")
     p.add_argument("--draft", default="models/default/draft", help="EAGLE-3 draft head directory")
-    p.add_argument("--prompt-sets", nargs="+", default=list(_DEFAULT_SETS),
+    p.add_argument("--prompt-sets", nargs="+", default=list(_DEFAULT_SETS.values()),
                    help="NAME=JSONL (lines with 'prompt' or 'turns'; chat turns use the target's chat template), "
-                        "or a default set's bare name (%s)" % ", ".join(_DEFAULT_SETS.values()))
+                        "or a default set's bare name (%s)" % ", ".join(_DEFAULT_SETS))
     p.add_argument("--num-prompts", type=int, default=16, help="prompts taken from each set")
     p.add_argument("--warmup-prompts", type=int, default=4,
                    help="held-out prompts per set (the set's last ones) sent in every mode before a server is measured")
@@ -78,12 +78,11 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                         "(memory: one server per method and N)")
     p.add_argument("--json", default="bench_out/bench.json", help="output JSON path (plots beside it)")
     a = p.parse_args(argv)
-    named = {name: spec for spec, name in _DEFAULT_SETS.items()}
-    a.prompt_sets = [named.get(spec, spec) for spec in a.prompt_sets]
+    a.prompt_sets = [_DEFAULT_SETS.get(spec, spec) for spec in a.prompt_sets]
     for spec in a.prompt_sets:
         name, eq, path = spec.partition("=")
         if not (name and eq and path):
-            p.error(f"--prompt-sets: {spec!r} is neither NAME=JSONL nor one of {sorted(named)}")
+            p.error(f"--prompt-sets: {spec!r} is neither NAME=JSONL nor one of {sorted(_DEFAULT_SETS)}")
     return a
 
 

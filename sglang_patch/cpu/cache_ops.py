@@ -33,6 +33,13 @@ def _ragged_gather(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch
     return req_to_token[rows.to(torch.int64)[owner], col].to(torch.int64)
 
 
+def _window_gather(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """Concatenation over i of ``req_to_token[rows[i], starts[i]:starts[i] + width]`` as int64
+    (a fixed-width window: one static-shape gather, the fixed-width twin of `_ragged_gather`)."""
+    cols = starts.to(torch.int64)[:, None] + torch.arange(width, device=starts.device)
+    return req_to_token[rows.to(torch.int64)[:, None], cols].reshape(-1).to(torch.int64)
+
+
 def assign_req_to_token_pool_func(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -67,8 +74,7 @@ def assign_draft_cache_locs_contiguous_func(
     bs = seq_lens.shape[0]
     width = topk * num_cols
     starts = seq_lens.to(torch.int64)
-    cols = starts[:, None] + torch.arange(width, device=starts.device)
-    locs = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols].reshape(-1)
+    locs = _window_gather(req_to_token, req_pool_indices, starts, width)
     out_cache_loc[: bs * width].copy_(locs.to(out_cache_loc.dtype))
     if positions is not None:
         positions[: bs * topk].copy_(starts.repeat_interleave(topk).to(positions.dtype))
@@ -130,14 +136,13 @@ def assign_extend_cache_locs_uniform_func(
     if full_v2p is not None:
         raise NotImplementedError("assign_extend_cache_locs_uniform_func: the fused write translation "
                                   "(full_v2p) needs a Triton device")
-    cols = (start_offset[:batch_size].to(torch.int64)[:, None]
-            + torch.arange(draft_token_num, device=start_offset.device))
+    starts = start_offset[:batch_size].to(torch.int64)
     if positions_out is not None:
-        positions_out.copy_(cols.view_as(positions_out))
+        positions_out.copy_((starts[:, None] + torch.arange(draft_token_num, device=starts.device))
+                            .view_as(positions_out))
     if anchor_out is not None:
         anchor_out[:, 0].copy_(anchor_src.view(-1))
-    rows = req_pool_indices[:batch_size].to(torch.int64)[:, None]
-    return req_to_token[rows, cols].reshape(-1).to(device=device, dtype=torch.int64)
+    return _window_gather(req_to_token, req_pool_indices[:batch_size], starts, draft_token_num).to(device)
 
 
 def fill_front_out_cache_loc_func(num_front: torch.Tensor, out_cache_loc: torch.Tensor,
