@@ -16,8 +16,13 @@ with the tokens the *host* knows, and records what graft contributed:
   round's bonus token, and the prefill token). Per-request counters feed the log line written when
   the request finishes (server-wide figures: ``sglang_patch.metrics.GraftStats``).
 * freed when SGLang reports the request finished or aborted (``note_request_finished``,
-  ``batch_result_processor.py:1442``); entries of requests that stop showing up are swept after
-  ``stale_rounds`` rounds, so a request that leaves without a finish notification cannot leak.
+  ``batch_result_processor.py:1442``), or when a round's result shows it finished without that
+  notification. SGLang sends it only from decode-result processing; a request that finishes in its
+  prefill (``max_new_tokens`` 1, a stop token first) is, under the overlap scheduler, already in the
+  next decode batch (built before the prefill's result is processed) and is skipped by that batch's
+  result processing (``batch_result_processor.py:1012``): `record` frees it instead, and `prepare`
+  starts no state for a request that is already finished. Entries of requests that stop showing up
+  are swept after ``stale_rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ logger = logging.getLogger(__name__)
 META_KEY = "graft_src"
 SOURCE_LETTER = {SOURCE_DRAFT: "d", SOURCE_RETRIEVED: "r", SOURCE_PADDING: "p"}
 TARGET_LETTER = "t"
+
+
+def is_finished(req) -> bool:
+    """SGLang's ``Req.finished()`` (False for request objects without it)."""
+    finished = getattr(req, "finished", None)
+    return bool(finished()) if callable(finished) else False
 
 
 def tenant_of(req) -> Optional[str]:
@@ -94,6 +105,9 @@ class GraftRequestTracker:
         rids = []
         for req in reqs:
             rid = req.rid
+            if is_finished(req):   # a row the overlap scheduler runs past its end: no state (unknown row)
+                rids.append(rid)
+                continue
             st = self.states.get(rid)
             prompt, outputs = req.origin_input_ids, req.output_ids
             total = len(prompt) + len(outputs)
@@ -114,6 +128,9 @@ class GraftRequestTracker:
 
     def record(self, reqs: Sequence, commits: Sequence, sources: Sequence[Sequence[int]]) -> None:
         """One verified round, as the scheduler commits it (host data only).
+
+        Requests that are finished afterwards are freed (`finish`; a no-op where SGLang's finish
+        notification already did it).
 
         Args:
             reqs: the batch's ``Req`` objects.
@@ -139,6 +156,9 @@ class GraftRequestTracker:
                 del meta[start:]
                 meta.extend([TARGET_LETTER] * (start - len(meta)))   # the prefill token(s)
                 meta.extend(letters[: len(commit.token_ids)])
+        for req in reqs:
+            if is_finished(req):
+                self.finish(req.rid)
 
     def finish(self, rid: Hashable) -> None:
         """Free a finished / aborted request (no-op for unknown ids); logs its summary.

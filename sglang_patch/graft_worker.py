@@ -76,7 +76,7 @@ from graft_spec.step import StepOutput, dense_draft_candidates
 from sglang_patch.args import effective_graft_config
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
-from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
+from sglang_patch.graft_requests import GraftRequestTracker, is_finished, tenant_of
 from sglang_patch.metrics import GraftStats, prometheus_enabled
 from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
@@ -144,6 +144,9 @@ class _RoundHost:
             budget.observe([r.rid for r in batch.reqs], None if expected is None else expected.numpy(),
                            [1 + sum(1 for x in row if x >= 0) for row in sources],
                            width=len(sources[0]) + 1 if sources else None)
+            for req in batch.reqs:  # after SGLang's finish notification (or instead of it, `record`)
+                if is_finished(req):
+                    budget.forget(req.rid)
 
 
 @dataclass

@@ -335,6 +335,27 @@ def test_tracker_hands_the_final_output_to_the_output_index_at_finish():
     assert tokens[0, 0, :3].tolist() == [6, 7, 8] and valid[0].sum() == 3, (tokens, valid)
 
 
+def test_tracker_frees_requests_that_finish_without_a_finish_notification():
+    """SGLang notifies the worker of a finish only from decode-result processing; a request that
+    finishes in its prefill is, under the overlap scheduler, already in the next decode batch and
+    skipped by its result processing. The round's `record` frees it; `prepare` starts no state for a
+    request that is already finished (CI saw one such entry left after a mixed batch)."""
+    from sglang_patch.graft_requests import GraftRequestTracker
+
+    planner = _planner(outputs=True)
+    tr = GraftRequestTracker(planner)
+    done = {"a": False}
+    a, b = _req("a", [1, 2, 3], [4]), _req("b", [5, 6], [7])
+    a.finished, b.finished = (lambda: done["a"]), (lambda: False)
+    assert tr.prepare([a, b]) == ["a", "b"] and tr.live() == 2   # a's prefill result not processed yet
+    done["a"] = True                                             # ... now it is: a finished there
+    tr.record([a, b], [None, _commit(1, [8])], [[-1], [-1]])
+    assert "a" not in tr.states and tr.live() == 1 and planner.live_requests() == 1
+    assert tr.finished_total == 1
+    # the scheduler processed the prefill's result before launching the batch built with it
+    assert tr.prepare([a, b]) == ["a", "b"] and "a" not in tr.states and planner.seen("a") == 0
+
+
 def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
     from sglang_patch.graft_requests import GraftRequestTracker
 
@@ -414,6 +435,12 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     curve = dict(zip(widths, worker.budget._curve["x"]))
     assert curve[1] == 1.0 and curve[max(widths)] == pytest.approx(1.0 + 1.8)
     assert worker.budget._observed > 0 and worker.budget._predicted > 0
+    # a request finished by this round (its finish notification came first, or never came): the
+    # tracker and the batch budget hold nothing for it after the round's host output is consumed
+    reqs[0].finished = lambda: True
+    host.consume(batch, [None, None])
+    assert "x" not in worker.requests.states and "x" not in worker.budget._curve
+    assert "y" in worker.requests.states and "y" in worker.budget._curve
 
 
 def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):

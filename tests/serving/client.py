@@ -141,7 +141,7 @@ def idle_problems(stats: Dict[str, Any], baseline: Dict[str, Any]) -> List[str]:
 
     Idle: no running/waiting request, no KV slot in use (free + radix-evictable == capacity, as at
     the baseline), nothing locked in the radix cache, every request slot free, no graft request
-    state (tracker and planner), and no new SGLang leak warning.
+    state (tracker, planner and the batch budget's gain curves), and no new SGLang leak warning.
     """
     p = []
     kv, base_kv = stats["kv"], baseline["kv"]
@@ -161,6 +161,9 @@ def idle_problems(stats: Dict[str, Any], baseline: Dict[str, Any]) -> List[str]:
     w = stats.get("worker")
     if w is not None and (w["live_requests"] != 0 or w["planner_live_requests"] != 0):
         p.append(f"graft live requests {w['live_requests']} planner {w['planner_live_requests']}")
+    tracked = ((w or {}).get("batch_budget") or {}).get("tracked_requests", 0)
+    if tracked:
+        p.append(f"batch budget still tracks {tracked} requests")
     return p
 
 
