@@ -314,6 +314,36 @@ def test_mixed_batch_leaves_server_idle(servers, mixed):
     wait_idle(servers.graft.url, servers.baseline, timeout_s=60)
 
 
+def test_requests_stopped_by_their_first_token_leave_no_state(servers):
+    """A request whose first token (sampled by its prefill) matches a stop id, sent while another
+    request decodes: under the overlap scheduler it is already in the next decode round when its
+    prefill's result finishes it, and SGLang sends the worker no finish notification for it
+    (``batch_result_processor.py:1442`` runs for decode results only). Before the fix every such
+    request left its graft state behind (12 of 12, measured)."""
+    prompts = load_prompts()
+
+    async def go():
+        async with new_client(16) as client:
+            firsts = [(await generate(client, servers.graft.url,
+                                      payload(prompts[1 + i], {"max_new_tokens": 1, "temperature": 0.0}))).output_ids[0]
+                      for i in range(6)]
+            long = asyncio.create_task(generate(client, servers.graft.url, payload(
+                prompts[0], {"max_new_tokens": 96, "temperature": 0.0, "ignore_eos": True})))
+            await asyncio.sleep(0.5)
+            shorts = []
+            for i, tok in enumerate(firsts):
+                shorts.append(asyncio.create_task(generate(client, servers.graft.url, payload(
+                    prompts[1 + i], {"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [tok]}))))
+                await asyncio.sleep(0.15)
+            return await long, await asyncio.gather(*shorts)
+
+    long, shorts = asyncio.run(go())
+    assert long.ok and len(long.output_ids) == 96
+    assert all(r.ok and len(r.output_ids) == 1 for r in shorts), shorts
+    assert all(r.body["meta_info"]["finish_reason"]["type"] == "stop" for r in shorts)
+    wait_idle(servers.graft.url, servers.baseline, timeout_s=30)
+
+
 def test_stats_on_a_server_without_speculation(servers):
     """The stats hook runs on every server with the plugin: pools and queues, no graft worker."""
     stats = server_stats(servers.nospec.url)
