@@ -18,9 +18,9 @@ with the tokens the *host* knows, and records what graft contributed:
 * freed when SGLang reports the request finished or aborted (``note_request_finished``,
   ``batch_result_processor.py:1442``), or when a round's result shows it finished without that
   notification. SGLang sends it only from decode-result processing; a request that finishes in its
-  prefill (``max_new_tokens`` 1, a stop token first) is, under the overlap scheduler, already in the
+  prefill (its first token is a stop token) is, under the overlap scheduler, already in the
   next decode batch (built before the prefill's result is processed) and is skipped by that batch's
-  result processing (``batch_result_processor.py:1012``): `record` frees it instead, and `prepare`
+  result processing (``batch_result_processor.py:1022``): `record` frees it instead, and `prepare`
   starts no state for a request that is already finished. Entries of requests that stop showing up
   are swept after ``stale_rounds`` rounds.
 """
