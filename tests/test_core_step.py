@@ -65,11 +65,17 @@ def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True):
         scores, tokens = torch.cat(sl, 1), torch.cat(tl, 1)
         parent_list = torch.cat([x.reshape(b, -1) for x in pl[:-1]], 1)
     draft = dense_draft_candidates(scores, tokens, parent_list, topk, steps)
-    host = HostCandidates(torch.randint(0, vocab, (b, m), device=dev), torch.full((b, m), -1, device=dev),
+
+    def randint(shape):   # from ``gen`` when given: the inputs must not depend on earlier tests' draws
+        if gen is None or dev == "meta":
+            return torch.randint(0, vocab, shape, device=dev)
+        return torch.randint(0, vocab, shape, generator=gen).to(dev)
+
+    host = HostCandidates(randint((b, m)), torch.full((b, m), -1, device=dev),
                           torch.zeros(b, m, device=dev), torch.full((b, m), MEMBER_SUFFIX, device=dev),
                           torch.ones(b, m, dtype=torch.int64, device=dev), torch.full((b,), 5, device=dev),
                           torch.zeros(b, dtype=torch.int64, device=dev))
-    return (draft, torch.randint(0, vocab, (b,), device=dev), host, torch.arange(b, device=dev),
+    return (draft, randint((b,)), host, torch.arange(b, device=dev),
             torch.full((b,), 4, device=dev), torch.arange(b, device=dev) % 2 == 1)
 
 
