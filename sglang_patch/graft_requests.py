@@ -21,8 +21,9 @@ with the tokens the *host* knows, and records what graft contributed:
   prefill (its first token is a stop token) is, under the overlap scheduler, already in the
   next decode batch (built before the prefill's result is processed) and is skipped by that batch's
   result processing (``batch_result_processor.py:1022``): `record` frees it instead, and `prepare`
-  starts no state for a request that is already finished. Entries of requests that stop showing up
-  are swept after ``stale_rounds`` rounds.
+  starts no state for a request that is already finished. An entry outside a round's batch is
+  freed at that round when its request is finished (aborted while retracted: no notification, no
+  round), and after ``stale_rounds`` rounds without a touch in any case.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, List, Optional, Sequence
+from typing import Callable, Hashable, List, Optional, Sequence
 
 from graft_spec.tree import NUM_SOURCES, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
 
@@ -79,11 +80,15 @@ class GraftRequestTracker:
     Args:
         planner: ``graft_spec.pipeline.GraftPlanner``.
         stale_rounds: rounds after which an untouched entry is swept.
+        on_free: called with the request id whenever a request is freed (`finish`, known or not,
+            and the sweep): per-request state held elsewhere follows the tracker's lifecycle
+            (the worker's batch budget: its gain curves).
     """
 
-    def __init__(self, planner, stale_rounds: int = 4096):
+    def __init__(self, planner, stale_rounds: int = 4096, on_free: Optional[Callable[[Hashable], None]] = None):
         self.planner = planner
         self.stale_rounds = stale_rounds
+        self.on_free = on_free
         self.round = 0
         self.states: "OrderedDict[Hashable, RequestStats]" = OrderedDict()
         self.finished_total = 0
@@ -168,6 +173,8 @@ class GraftRequestTracker:
         ``output_ids`` are final (``batch_result_processor.py:1442``), and the output index inserts
         the request's output when it stops, so a later request sees the whole output.
         """
+        if self.on_free is not None:
+            self.on_free(rid)
         st = self.states.pop(rid, None)
         if st is None:
             return
@@ -187,13 +194,24 @@ class GraftRequestTracker:
             st.seen = total
 
     def _sweep(self) -> None:
-        while self.states:
-            rid, st = next(iter(self.states.items()))
-            if self.round - st.last_round <= self.stale_rounds:
+        """Free the entries outside this round's batch (the front of `states`, least recently
+        prepared first) whose request is finished - e.g. aborted while retracted, which SGLang
+        finishes without a notification - and those untouched for more than ``stale_rounds``."""
+        gone = []
+        for rid, st in self.states.items():
+            if st.last_round == self.round:          # this round's batch: every later entry is in it
                 break
-            self.states.pop(rid)
-            self.planner.stop_request(rid)
-            logger.info("graft request %s swept after %d idle rounds", rid, self.stale_rounds)
+            if is_finished(st.req) or self.round - st.last_round > self.stale_rounds:
+                gone.append((rid, is_finished(st.req)))
+        for rid, finished in gone:
+            if finished:
+                self.finish(rid)
+            else:
+                self.states.pop(rid)
+                self.planner.stop_request(rid)
+                if self.on_free is not None:
+                    self.on_free(rid)
+                logger.info("graft request %s swept after %d idle rounds", rid, self.stale_rounds)
 
     @staticmethod
     def _meta(req) -> Optional[list]:

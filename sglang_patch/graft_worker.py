@@ -76,7 +76,7 @@ from graft_spec.step import StepOutput, dense_draft_candidates
 from sglang_patch.args import effective_graft_config
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
-from sglang_patch.graft_requests import GraftRequestTracker, is_finished, tenant_of
+from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from sglang_patch.metrics import GraftStats, prometheus_enabled
 from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
@@ -136,17 +136,14 @@ class _RoundHost:
 
     def consume(self, batch, commits) -> None:
         sources = self.stats.sources.tolist()
-        self.worker.requests.record(batch.reqs, commits, sources)
-        self.worker.stats.record_round(sources, self.stats.members.tolist(), self.stats.depths.tolist())
         budget = self.worker.budget
-        if budget is not None:
+        if budget is not None:   # before `record`, which frees the round's finished requests (their curves too)
             expected = self.stats.expected
             budget.observe([r.rid for r in batch.reqs], None if expected is None else expected.numpy(),
                            [1 + sum(1 for x in row if x >= 0) for row in sources],
                            width=len(sources[0]) + 1 if sources else None)
-            for req in batch.reqs:  # after SGLang's finish notification (or instead of it, `record`)
-                if is_finished(req):
-                    budget.forget(req.rid)
+        self.worker.requests.record(batch.reqs, commits, sources)
+        self.worker.stats.record_round(sources, self.stats.members.tolist(), self.stats.depths.tolist())
 
 
 @dataclass
@@ -346,12 +343,13 @@ class GraftWorker(EAGLEWorkerV2):
         max_bs = resolving_view(server_args).max_running_requests or 1
         # the token history's rows are request-pool slots; the pool is allocated after this constructor
         self.planner = GraftPlanner(self.config, vocab_size=vocab, device=self.device, max_batch=max_bs)
-        self.requests = GraftRequestTracker(self.planner)
         #: server-wide statistics (``/server_info``, and ``/metrics`` with ``--enable-metrics``)
         self.stats = GraftStats(prometheus=prometheus_enabled())
         widths = self.config.verify_widths
         #: the batch budget (None: one width, N, every round)
         self.budget = BatchBudget(widths, self.config.batch_budget) if len(widths) > 1 else None
+        #: per-request host state; a freed request's gain curve leaves the budget with it
+        self.requests = GraftRequestTracker(self.planner, on_free=self.budget.forget if self.budget else None)
         self.width_states = WidthStates(self)
         #: plain rounds' skipped draft extends and their catch-up (None: every plain round extends)
         self.deferred = (DeferredDraftExtend(max(widths), self.device)
@@ -439,9 +437,7 @@ class GraftWorker(EAGLEWorkerV2):
     # ------------------------------------------------------------------ scheduler hooks
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         """Free the request's graft state (``batch_result_processor.py:1442``)."""
-        self.requests.finish(rid)
-        if self.budget is not None:
-            self.budget.forget(rid)
+        self.requests.finish(rid)   # the budget's gain curve goes with it (``on_free``)
 
     # ------------------------------------------------------------------ batch budget
     def init_cuda_graphs(self):

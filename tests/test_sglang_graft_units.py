@@ -343,7 +343,8 @@ def test_tracker_frees_requests_that_finish_without_a_finish_notification():
     from sglang_patch.graft_requests import GraftRequestTracker
 
     planner = _planner(outputs=True)
-    tr = GraftRequestTracker(planner)
+    freed = []
+    tr = GraftRequestTracker(planner, on_free=freed.append)
     done = {"a": False}
     a, b = _req("a", [1, 2, 3], [4]), _req("b", [5, 6], [7])
     a.finished, b.finished = (lambda: done["a"]), (lambda: False)
@@ -354,6 +355,17 @@ def test_tracker_frees_requests_that_finish_without_a_finish_notification():
     assert tr.finished_total == 1
     # the scheduler processed the prefill's result before launching the batch built with it
     assert tr.prepare([a, b]) == ["a", "b"] and "a" not in tr.states and planner.seen("a") == 0
+    # a request that leaves the batches (retracted) and finishes there (aborted while waiting): no
+    # notification, no round of its own; the next round's sweep frees it
+    c, gone = _req("c", [3, 4], [5]), {"c": False}
+    c.finished = lambda: gone["c"]
+    tr.prepare([b, c])
+    tr.prepare([b])
+    assert "c" in tr.states                                      # retracted, not finished: kept
+    gone["c"] = True
+    tr.prepare([b])
+    assert "c" not in tr.states and tr.live() == 1 and planner.live_requests() == 1
+    assert freed == ["a", "c"]               # the worker's budget forgets each freed request with it
 
 
 def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
@@ -390,8 +402,9 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     from graft_spec.budget import BatchBudget
 
     worker = object.__new__(GraftWorker)
-    worker.planner, worker.requests, worker.stats = planner, GraftRequestTracker(planner), GraftStats()
     worker.budget = BatchBudget(planner.config.verify_widths)
+    worker.planner, worker.stats = planner, GraftStats()
+    worker.requests = GraftRequestTracker(planner, on_free=worker.budget.forget)    # as GraftWorker wires it
     reqs = [_req("x", [1, 2], [10]), _req("y", [3], [20])]
     worker.requests.prepare(reqs)
     tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 0, 22]])
