@@ -197,16 +197,15 @@ class GraftRequestTracker:
         """Free the entries outside this round's batch (the front of `states`, least recently
         prepared first) whose request is finished - e.g. aborted while retracted, which SGLang
         finishes without a notification - and those untouched for more than ``stale_rounds``."""
-        gone = []
+        outside = []
         for rid, st in self.states.items():
             if st.last_round == self.round:          # this round's batch: every later entry is in it
                 break
-            if is_finished(st.req) or self.round - st.last_round > self.stale_rounds:
-                gone.append((rid, is_finished(st.req)))
-        for rid, finished in gone:
-            if finished:
+            outside.append((rid, st))
+        for rid, st in outside:
+            if is_finished(st.req):
                 self.finish(rid)
-            else:
+            elif self.round - st.last_round > self.stale_rounds:
                 self.states.pop(rid)
                 self.planner.stop_request(rid)
                 if self.on_free is not None:
