@@ -357,7 +357,13 @@ class TestBatchBudget:
         # concurrency 1 measures every width (two token counts fit the cost model); a new batch size
         # measures its plain round, and a wider one only where the cost model predicts it wins
         assert set(b["round_ms"]["1"]) == {"1", "12", "24"} and "1" in b["round_ms"]["8"]
-        assert b["cost_model"] is not None and b["cost_model"]["per_token_ms"] > 0, b
+        # the cost model is fitted from this machine's wall-clock round times; at batch 1 the verify cost
+        # per extra token is within their noise (one CI run fitted a negative slope, clamped to 0), so
+        # only what holds on any machine is asserted here: a speculative round is priced above a plain
+        # one. The fit itself (slope, draft term, clamps) is tested on synthetic times in
+        # tests/test_core_budget.py.
+        model = b["cost_model"]
+        assert model is not None and model["draft_ms"] + model["per_token_ms"] > 0, b
 
     def test_metrics_and_server_info_report_widths(self, budget, budget_c1):
         text = httpx.get(f"{budget.url}/metrics", timeout=60).text
