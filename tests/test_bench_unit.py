@@ -162,3 +162,47 @@ def test_prompt_sets_take_a_default_sets_bare_name_and_refuse_a_bare_unknown_one
     with pytest.raises(SystemExit):
         _parse(["--prompt-sets", "mine"])
     assert "--prompt-sets: 'mine' is neither NAME=JSONL" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- paired windows (bench/paired.py)
+def test_generated_tokens_sums_the_counter_over_its_label_sets():
+    from sglang_patch.bench.paired import generated_tokens
+
+    page = ("# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE sglang:generation_tokens_total counter\n"
+            'sglang:generation_tokens_total{model_name="a",tp_rank="0"} 120.0\n'
+            'sglang:generation_tokens_total{model_name="a",tp_rank="1"} 30.0\n'
+            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
+            "# TYPE sglang:prompt_tokens_total counter\n"
+            'sglang:prompt_tokens_total{model_name="a"} 999.0\n')
+    assert generated_tokens(page) == 150.0
+    with pytest.raises(ValueError, match="--enable-metrics"):
+        generated_tokens("# TYPE other_total counter\nother_total 1.0\n")
+
+
+def test_paired_ratios_pair_windows_of_the_same_repetition():
+    from sglang_patch.bench.paired import paired_ratios
+
+    w = [{"method": m, "concurrency": c, "rep": r, "tokens_per_s": t} for m, c, r, t in [
+        ("nospec", 1, 0, 40.0), ("graft_plain", 1, 0, 40.0), ("nospec", 1, 1, 20.0), ("graft_plain", 1, 1, 18.0),
+        ("nospec", 1, 2, 30.0), ("graft_plain", 1, 2, 33.0),
+        ("nospec", 8, 0, 100.0), ("graft_plain", 8, 0, 80.0)]]
+    out = paired_ratios(w)
+    plain = out["1"]["graft_plain"]
+    # per pair 1.0, 0.9, 1.1 (a ratio of medians would read 36/30 = 1.2 here)
+    assert plain["ratios"] == [1.0, 0.9, 1.1] and plain["median_ratio"] == 1.0
+    assert (plain["min_ratio"], plain["max_ratio"]) == (0.9, 1.1) and plain["median_tokens_per_s"] == 33.0
+    assert "ratios" not in out["1"]["nospec"] and out["1"]["nospec"]["median_tokens_per_s"] == 30.0
+    assert out["8"]["graft_plain"]["ratios"] == [0.8]
+    with pytest.raises(ValueError, match="no nospec window"):
+        paired_ratios(w + [{"method": "graft_plain", "concurrency": 8, "rep": 1, "tokens_per_s": 1.0}])
+
+
+def test_interleaved_runs_alternate_the_server_order():
+    from sglang_patch.bench.__main__ import interleave_order
+
+    servers = ["nospec", "eagle3", "graft_fixed", "graft"]
+    assert interleave_order(servers, 0) == servers and interleave_order(servers, 2) == servers
+    assert interleave_order(servers, 1) == servers[::-1]
+    firsts = {interleave_order(servers, i)[0] for i in range(4)}
+    assert firsts == {"nospec", "graft"}   # graft runs first in every other cell, not always last

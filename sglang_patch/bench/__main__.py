@@ -73,9 +73,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                    help="extra args for every server (one string; float32 keeps equality exact on CPU)")
     p.add_argument("--interleave", action="store_true",
                    help="hold every method's server up at once and run each (set, mode, concurrency, seed) on "
-                        "all of them back to back, instead of one server after another: this machine's speed "
-                        "drifts by a quarter between minutes, which a sequential run reads as a method's ratio "
-                        "(memory: one server per method and N)")
+                        "all of them back to back (the order reversed every other run), instead of one server "
+                        "after another: this machine's speed drifts by a quarter between minutes, which a "
+                        "sequential run reads as a method's ratio (memory: one server per method and N)")
     p.add_argument("--json", default="bench_out/bench.json", help="output JSON path (plots beside it)")
     a = p.parse_args(argv)
     a.prompt_sets = [_DEFAULT_SETS.get(spec, spec) for spec in a.prompt_sets]
@@ -176,8 +176,8 @@ def main(argv: List[str] | None = None) -> int:
     if a.interleave:
         with contextlib.ExitStack() as stack:
             servers = [start(spec, stack) for spec in methods]
-            for run in runs:
-                for server in servers:
+            for i, run in enumerate(runs):
+                for server in interleave_order(servers, i):
                     measure(server, run)
     else:
         for spec in methods:
@@ -208,6 +208,15 @@ def main(argv: List[str] | None = None) -> int:
         print("GREEDY OUTPUT MISMATCH vs no-spec: " + "; ".join(mismatches), file=sys.stderr)
         return 1
     return 0
+
+
+def interleave_order(servers: List[Any], i: int) -> List[Any]:
+    """The order in which ``--interleave`` sends run ``i`` to the servers: as given for even ``i``,
+    reversed for odd ``i`` (ABBA), so no method always runs first or last in its cell. With a fixed
+    order the last server always ran after the others' load (graft, behind nospec, EAGLE-3 and
+    fixed-N graft in issue 15's command), and a machine whose speed moves within a burst of runs
+    reads that as the method's ratio."""
+    return list(servers) if i % 2 == 0 else list(reversed(servers))
 
 
 @dataclass

@@ -1,0 +1,184 @@
+"""``python -m sglang_patch.bench.paired``: tokens/s of several servers in paired, alternating windows.
+
+`sglang_patch.bench` sends each prompt set once per method: one cell is a few seconds of traffic,
+and on a shared 2-core machine the speed moves between minutes (between two runs of the same code,
+no-spec alone moved 0.94-1.41x per cell, docs/benchmark.md "The same code twice"). This tool
+resolves smaller differences. Every method's server is up at once; the same steady load (``c``
+requests always in flight, ``--max-tokens`` each, ``ignore_eos``, prompts cycled from one set) is
+sent to one server for a window of ``--window-s`` seconds, then to the next, the order reversed in
+every other repetition (ABBA); tokens/s is SGLang's own generation-token counter
+(``sglang:generation_tokens_total`` on ``/metrics``) over the window. Windows of one repetition form
+a pair; each method's ratio to the reference (``nospec``) is taken per pair, and the median over the
+pairs is reported next to its range.
+
+Methods: ``nospec`` and ``graft_plain``, graft whose batch budget runs every decode round at width
+1 (``batch_budget.schedule [1]``): the floor the budget reaches when it steps aside, i.e. what a
+plain round costs over SGLang's own decode step. Speculative methods are left to
+`sglang_patch.bench`: a steady load cycles the prompt set and repeats prompts, whose answers
+retrieval would then find (measured: the budget's tokens/s doubled from the first to the fourth
+repetition at concurrency 1), while a plain round's cost does not depend on the text.
+
+Example (the shipped pair; what a plain round costs at concurrency 1 and 8)::
+
+    python -m sglang_patch.bench.paired --target models/default/target --draft models/default/draft \\
+        --methods nospec graft_plain --concurrency 1 8 --json bench_out/paired.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from sglang_patch.bench.methods import MethodSpec
+from sglang_patch.bench.prompts import load_prompts
+from sglang_patch.bench.report import write_json
+
+#: the extra method of this tool: graft with every decode round plain (verify width 1)
+PLAIN = "graft_plain"
+_PLAIN_ENV = {"GRAFTCFG_BATCH_BUDGET__SCHEDULE": "[1]"}
+_GENERATED = "sglang:generation_tokens"
+
+
+def generated_tokens(metrics_text: str) -> float:
+    """Tokens generated so far: the sum of ``sglang:generation_tokens_total`` over its label sets in
+    a ``/metrics`` page (SGLang's counter, ``--enable-metrics``).
+
+    Raises:
+        ValueError: the page has no such counter (the server runs without ``--enable-metrics``).
+    """
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == _GENERATED:
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise ValueError(f"no {_GENERATED}_total on /metrics: start the server with --enable-metrics")
+
+
+def paired_ratios(windows: Sequence[Dict[str, Any]], reference: str = "nospec") -> Dict[str, Dict[str, Any]]:
+    """Per concurrency and method, the ratios of its tokens/s to ``reference``'s in the same
+    repetition (a pair), their median, min and max, and the medians of tokens/s.
+
+    Args:
+        windows: rows ``{"method", "concurrency", "rep", "tokens_per_s"}``.
+    Returns:
+        ``{str(concurrency): {method: {"ratios", "median_ratio", "min_ratio", "max_ratio",
+        "median_tokens_per_s"}}}`` (the reference has no ratio fields).
+    Raises:
+        ValueError: a (concurrency, rep) has a method window but no reference window.
+    """
+    by = {(w["concurrency"], w["rep"], w["method"]): float(w["tokens_per_s"]) for w in windows}
+    out: Dict[str, Dict[str, Any]] = {}
+    for c in sorted({w["concurrency"] for w in windows}):
+        cell: Dict[str, Any] = {}
+        for m in dict.fromkeys(w["method"] for w in windows if w["concurrency"] == c):
+            reps = sorted(r for (cc, r, mm) in by if cc == c and mm == m)
+            row: Dict[str, Any] = {"median_tokens_per_s": round(statistics.median(by[(c, r, m)] for r in reps), 3)}
+            if m != reference:
+                missing = [r for r in reps if (c, r, reference) not in by]
+                if missing:
+                    raise ValueError(f"concurrency {c}: repetitions {missing} have {m} but no {reference} window")
+                ratios = [by[(c, r, m)] / max(by[(c, r, reference)], 1e-9) for r in reps]
+                row.update(ratios=[round(x, 4) for x in ratios], median_ratio=round(statistics.median(ratios), 4),
+                           min_ratio=round(min(ratios), 4), max_ratio=round(max(ratios), 4))
+            cell[m] = row
+        out[str(c)] = cell
+    return out
+
+
+def _parse(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang_patch.bench.paired", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--methods", nargs="+", default=["nospec", PLAIN], choices=["nospec", PLAIN])
+    p.add_argument("--budget", type=int, default=24, help="verify budget N of the speculative methods")
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--prompts", default="data/humaneval_dev.jsonl", help="JSONL prompt set, cycled")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--reps", type=int, default=4, help="pairs (repetitions) per concurrency")
+    p.add_argument("--window-s", type=float, default=10.0, help="measured seconds per window")
+    p.add_argument("--settle-s", type=float, default=3.0, help="seconds of load before a window's clock starts")
+    p.add_argument("--server-args", default="--dtype float32 --max-running-requests 32")
+    p.add_argument("--json", default="bench_out/paired.json")
+    a = p.parse_args(argv)
+    if "nospec" not in a.methods:
+        p.error("--methods: nospec is the reference of every pair")
+    return a
+
+
+def _window(url: str, texts: Sequence[str], concurrency: int, params: Dict[str, Any], settle_s: float,
+            window_s: float) -> float:
+    """Tokens/s of ``url`` over ``window_s`` seconds with ``concurrency`` requests always in flight."""
+    stop = threading.Event()
+
+    def loop(i: int) -> None:
+        with httpx.Client(timeout=600.0) as client:
+            k = i
+            while not stop.is_set():
+                body = {"text": texts[k % len(texts)], "sampling_params": params}
+                client.post(f"{url}/generate", json=body).raise_for_status()
+                k += concurrency
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(loop, i) for i in range(concurrency)]
+        try:
+            time.sleep(settle_s)
+            g0, t0 = generated_tokens(httpx.get(f"{url}/metrics", timeout=60).text), time.perf_counter()
+            time.sleep(window_s)
+            g1, t1 = generated_tokens(httpx.get(f"{url}/metrics", timeout=60).text), time.perf_counter()
+        finally:
+            stop.set()
+        for f in futures:
+            f.result()
+    return (g1 - g0) / (t1 - t0)
+
+
+def main(argv: List[str] | None = None) -> int:
+    """Run the paired windows; print the summary and write the JSON (``args``, ``windows``, ``pairs``)."""
+    from sglang_patch.launcher import SGLangServer
+
+    a = _parse(sys.argv[1:] if argv is None else argv)
+    texts = [p.text for p in load_prompts(a.prompts)]
+    params = {"max_new_tokens": a.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    work = Path(tempfile.mkdtemp(prefix="graft_paired_"))
+    windows: List[Dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for m in a.methods:
+            spec = MethodSpec("graft" if m == PLAIN else m, m, None if m == "nospec" else a.budget,
+                              a.depth, a.topk, a.draft)
+            args = spec.server_args() + a.server_args.split() + ["--enable-metrics"]
+            servers[m] = stack.enter_context(SGLangServer(a.target, args, env=_PLAIN_ENV if m == PLAIN else {},
+                                                          log_path=str(work / f"{m}.log")))
+        for srv in servers.values():   # warm up: compiled paths, first-use allocations
+            _window(srv.url, texts, 4, params, a.settle_s, a.window_s / 2)
+        for c in a.concurrency:
+            for rep in range(a.reps):
+                order = list(servers.items()) if rep % 2 == 0 else list(reversed(servers.items()))
+                for m, srv in order:
+                    tps = _window(srv.url, texts, c, params, a.settle_s, a.window_s)
+                    windows.append({"method": m, "concurrency": c, "rep": rep, "tokens_per_s": round(tps, 3)})
+                    print(f"c={c} rep={rep} {m}: {tps:.1f} tokens/s", flush=True)
+    pairs = paired_ratios(windows)
+    write_json(Path(a.json), {"args": vars(a), "windows": windows, "pairs": pairs})
+    for c, cell in pairs.items():
+        for m, row in cell.items():
+            if "median_ratio" in row:
+                print(f"c={c} {m}/nospec: median {row['median_ratio']:.3f} "
+                      f"(range {row['min_ratio']:.3f}-{row['max_ratio']:.3f}, {len(row['ratios'])} pairs)")
+    print(f"JSON: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
