@@ -26,3 +26,22 @@ def test_interleaved_bench_flushes_repeats_and_checks_outputs(quick_models, tmp_
         [False, True, False, True]
     assert rows[("graft_fixed_n24", 1)]["outputs_equal_nospec"] and rows[("graft_fixed_n24", 2)]["outputs_equal_nospec"]
     assert rows[("graft_fixed_n24", 2)]["calibration"]["draft"]["trials"] > 0
+
+
+def test_paired_windows_measure_both_servers(quick_models, tmp_path):
+    """``python -m sglang_patch.bench.paired`` end to end: both servers up at once, one pair of
+    windows, tokens/s read from SGLang's counter, the ratio per pair in the JSON."""
+    from sglang_patch.bench.paired import main as paired
+
+    out = tmp_path / "paired.json"
+    rc = paired(["--target", str(quick_models.target), "--draft", str(quick_models.draft),
+                 "--prompts", str(Path(__file__).parents[1] / "data" / "humaneval_dev.jsonl"),
+                 "--concurrency", "2", "--reps", "2", "--window-s", "2", "--settle-s", "1", "--max-tokens", "8",
+                 "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0
+    assert [(w["method"], w["rep"]) for w in data["windows"]] == \
+        [("nospec", 0), ("graft_plain", 0), ("graft_plain", 1), ("nospec", 1)]   # ABBA
+    assert all(w["tokens_per_s"] > 0 for w in data["windows"])
+    plain = data["pairs"]["2"]["graft_plain"]
+    assert len(plain["ratios"]) == 2 and plain["min_ratio"] <= plain["median_ratio"] <= plain["max_ratio"]
