@@ -199,7 +199,7 @@ def test_paired_ratios_pair_windows_of_the_same_repetition():
 
 
 def test_interleaved_runs_alternate_the_server_order():
-    from sglang_patch.bench.__main__ import interleave_order
+    from sglang_patch.bench.methods import interleave_order
 
     servers = ["nospec", "eagle3", "graft_fixed", "graft"]
     assert interleave_order(servers, 0) == servers and interleave_order(servers, 2) == servers

@@ -36,7 +36,7 @@ import httpx
 from tqdm import tqdm
 
 from sglang_patch.bench.client import run_prompts_sync, sampling_params
-from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, build_methods
+from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, build_methods, interleave_order
 from sglang_patch.bench.prompts import load_prompts, split_warmup
 from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
                                        merge_calibration, summarize, text_quality, write_json, write_plots)
@@ -208,15 +208,6 @@ def main(argv: List[str] | None = None) -> int:
         print("GREEDY OUTPUT MISMATCH vs no-spec: " + "; ".join(mismatches), file=sys.stderr)
         return 1
     return 0
-
-
-def interleave_order(servers: List[Any], i: int) -> List[Any]:
-    """The order in which ``--interleave`` sends run ``i`` to the servers: as given for even ``i``,
-    reversed for odd ``i`` (ABBA), so no method always runs first or last in its cell. With a fixed
-    order the last server always ran after the others' load (graft, behind nospec, EAGLE-3 and
-    fixed-N graft in issue 15's command), and a machine whose speed moves within a burst of runs
-    reads that as the method's ratio."""
-    return list(servers) if i % 2 == 0 else list(reversed(servers))
 
 
 @dataclass

@@ -19,7 +19,7 @@ decode step, when that gives more tokens per second):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 #: Share of the budget N kept as draft nodes at each paper checkpoint (8 / 24 / 40 of 60).
 STAGE_KEEP_FRACTIONS = (8 / 60, 24 / 60, 40 / 60)
@@ -117,3 +117,13 @@ def build_methods(names: Sequence[str], budgets: Sequence[int], depth: int, topk
             if m in names:
                 out.append(MethodSpec(m, f"{m}_n{n}", n, depth, topk, draft, list(thresholds)))
     return out
+
+
+def interleave_order(servers: List[Any], i: int) -> List[Any]:
+    """The order in which run ``i`` goes to the servers (`sglang_patch.bench` ``--interleave``, and
+    each repetition of `sglang_patch.bench.paired`): as given for even ``i``, reversed for odd ``i``
+    (ABBA), so no method always runs first or last in its cell. With a fixed
+    order the last server always ran after the others' load (graft, behind nospec, EAGLE-3 and
+    fixed-N graft in issue 15's command), and a machine whose speed moves within a burst of runs
+    reads that as the method's ratio."""
+    return list(servers) if i % 2 == 0 else list(reversed(servers))

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_patch.bench.methods import MethodSpec
+from sglang_patch.bench.methods import MethodSpec, interleave_order
 from sglang_patch.bench.prompts import load_prompts
 from sglang_patch.bench.report import write_json
 
@@ -164,8 +164,7 @@ def main(argv: List[str] | None = None) -> int:
             _window(srv.url, texts, 4, params, a.settle_s, a.window_s / 2)
         for c in a.concurrency:
             for rep in range(a.reps):
-                order = list(servers.items()) if rep % 2 == 0 else list(reversed(servers.items()))
-                for m, srv in order:
+                for m, srv in interleave_order(list(servers.items()), rep):
                     tps = _window(srv.url, texts, c, params, a.settle_s, a.window_s)
                     windows.append({"method": m, "concurrency": c, "rep": rep, "tokens_per_s": round(tps, 3)})
                     print(f"c={c} rep={rep} {m}: {tps:.1f} tokens/s", flush=True)
