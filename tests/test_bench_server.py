@@ -30,7 +30,7 @@ def test_interleaved_bench_flushes_repeats_and_checks_outputs(quick_models, tmp_
 
 def test_paired_windows_measure_both_servers(quick_models, tmp_path):
     """``python -m sglang_patch.bench.paired`` end to end: both servers up at once, one pair of
-    windows, tokens/s read from SGLang's counter, the ratio per pair in the JSON."""
+    windows, tokens/s from the requests inside each window, the ratio per pair in the JSON."""
     from sglang_patch.bench.paired import main as paired
 
     out = tmp_path / "paired.json"

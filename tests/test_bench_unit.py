@@ -165,19 +165,22 @@ def test_prompt_sets_take_a_default_sets_bare_name_and_refuse_a_bare_unknown_one
 
 
 # ---------------------------------------------------------------- paired windows (bench/paired.py)
-def test_generated_tokens_sums_the_counter_over_its_label_sets():
-    from sglang_patch.bench.paired import generated_tokens
+def test_window_tokens_credit_each_request_its_share_of_the_window():
+    from sglang_patch.bench.paired import window_tokens
 
-    page = ("# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
-            "# TYPE sglang:generation_tokens_total counter\n"
-            'sglang:generation_tokens_total{model_name="a",tp_rank="0"} 120.0\n'
-            'sglang:generation_tokens_total{model_name="a",tp_rank="1"} 30.0\n'
-            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
-            "# TYPE sglang:prompt_tokens_total counter\n"
-            'sglang:prompt_tokens_total{model_name="a"} 999.0\n')
-    assert generated_tokens(page) == 150.0
-    with pytest.raises(ValueError, match="--enable-metrics"):
-        generated_tokens("# TYPE other_total counter\nother_total 1.0\n")
+    reqs = [(0.0, 2.0, 64),     # straddles the start: 1 of its 2 s inside -> 32
+            (2.0, 4.0, 64),     # inside -> 64
+            (4.0, 8.0, 40),     # straddles the end: 1 of its 4 s inside -> 10
+            (5.0, 6.0, 64),     # after the window -> 0
+            (0.0, 0.5, 64),     # before the window -> 0
+            (0.0, 8.0, 80)]     # covers the window: 4 of its 8 s -> 40
+    assert window_tokens(reqs, 1.0, 5.0) == pytest.approx(32 + 64 + 10 + 40)
+    # whole requests only (SGLang's finish-time counter) would read 64 here, whichever server was slower
+    assert window_tokens([(0.0, 1.4, 64), (1.4, 2.8, 64)], 0.0, 2.1) == pytest.approx(96.0)
+    with pytest.raises(ValueError, match="empty window"):
+        window_tokens(reqs, 2.0, 2.0)
+    with pytest.raises(ValueError, match="before it starts"):
+        window_tokens([(3.0, 2.0, 1)], 0.0, 5.0)
 
 
 def test_paired_ratios_pair_windows_of_the_same_repetition():

@@ -6,10 +6,17 @@ no-spec alone moved 0.94-1.41x per cell, docs/benchmark.md "The same code twice"
 resolves smaller differences. Every method's server is up at once; the same steady load (``c``
 requests always in flight, ``--max-tokens`` each, ``ignore_eos``, prompts cycled from one set) is
 sent to one server for a window of ``--window-s`` seconds, then to the next, the order reversed in
-every other repetition (ABBA); tokens/s is SGLang's own generation-token counter
-(``sglang:generation_tokens_total`` on ``/metrics``) over the window. Windows of one repetition form
-a pair; each method's ratio to the reference (``nospec``) is taken per pair, and the median over the
-pairs is reported next to its range.
+every other repetition (ABBA); tokens/s is the tokens generated inside the window (`window_tokens`:
+every request's tokens spread evenly over its lifetime, so a request that straddles an edge counts
+for its share) over the window's length. Windows of one repetition form a pair; each method's ratio
+to the reference (``nospec``) is taken per pair, and the median over the pairs is reported next to
+its range.
+
+Not SGLang's ``sglang:generation_tokens_total``: that counter grows when a request *finishes*
+(``TokenizerManager`` -> ``observe_one_finished_request``, metrics_collector.py:2092), so a window
+counted whole requests. At concurrency 1 (64 tokens, ~1.4 s a request) a 10 s window held 7 of them
+for either server, and a 10% slower server read the same tokens/s (the first version of this tool
+did that; docs/benchmark.md).
 
 Methods: ``nospec`` and ``graft_plain``, graft whose batch budget runs every decode round at width
 1 (``batch_budget.schedule [1]``): the floor the budget reaches when it steps aside, i.e. what a
@@ -35,10 +42,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_patch.bench.methods import MethodSpec, interleave_order
 from sglang_patch.bench.prompts import load_prompts
@@ -47,20 +53,35 @@ from sglang_patch.bench.report import write_json
 #: the extra method of this tool: graft with every decode round plain (verify width 1)
 PLAIN = "graft_plain"
 _PLAIN_ENV = {"GRAFTCFG_BATCH_BUDGET__SCHEDULE": "[1]"}
-_GENERATED = "sglang:generation_tokens"
 
 
-def generated_tokens(metrics_text: str) -> float:
-    """Tokens generated so far: the sum of ``sglang:generation_tokens_total`` over its label sets in
-    a ``/metrics`` page (SGLang's counter, ``--enable-metrics``).
+def window_tokens(requests: Sequence[Tuple[float, float, int]], t0: float, t1: float) -> float:
+    """Tokens generated inside the window ``[t0, t1]``.
 
+    Each request's tokens are spread evenly over its lifetime, so a request contributes
+    ``tokens * overlap / lifetime``; the same for every server, this puts the window's edges inside
+    requests instead of rounding them to whole requests. Its error is the unevenness within one
+    request at each edge (its prefill: under a tenth of a 64-token request's time here).
+
+    Args:
+        requests: ``(start, end, tokens)`` per request, ``start``/``end`` in seconds on the clock of
+            ``t0``/``t1``, ``tokens`` its completion tokens.
+        t0, t1: the window, seconds.
+    Returns:
+        Tokens (float).
     Raises:
-        ValueError: the page has no such counter (the server runs without ``--enable-metrics``).
+        ValueError: ``t1 <= t0``, or a request ends before it starts.
     """
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name == _GENERATED:
-            return sum(s.value for s in family.samples if s.name.endswith("_total"))
-    raise ValueError(f"no {_GENERATED}_total on /metrics: start the server with --enable-metrics")
+    if t1 <= t0:
+        raise ValueError(f"empty window [{t0}, {t1}]")
+    total = 0.0
+    for start, end, tokens in requests:
+        if end < start:
+            raise ValueError(f"request ends ({end}) before it starts ({start})")
+        overlap = min(end, t1) - max(start, t0)
+        if overlap > 0:
+            total += tokens * overlap / (end - start)
+    return total
 
 
 def paired_ratios(windows: Sequence[Dict[str, Any]], reference: str = "nospec") -> Dict[str, Dict[str, Any]]:
@@ -118,29 +139,34 @@ def _parse(argv: List[str]) -> argparse.Namespace:
 
 def _window(url: str, texts: Sequence[str], concurrency: int, params: Dict[str, Any], settle_s: float,
             window_s: float) -> float:
-    """Tokens/s of ``url`` over ``window_s`` seconds with ``concurrency`` requests always in flight."""
+    """Tokens/s of ``url`` over ``window_s`` seconds with ``concurrency`` requests always in flight
+    (`window_tokens`; the requests in flight at the window's end are waited for)."""
     stop = threading.Event()
+    requests: List[Tuple[float, float, int]] = []   # (start, end, tokens); list.append is atomic
 
     def loop(i: int) -> None:
         with httpx.Client(timeout=600.0) as client:
             k = i
             while not stop.is_set():
                 body = {"text": texts[k % len(texts)], "sampling_params": params}
-                client.post(f"{url}/generate", json=body).raise_for_status()
+                start = time.perf_counter()
+                r = client.post(f"{url}/generate", json=body)
+                r.raise_for_status()
+                requests.append((start, time.perf_counter(), int(r.json()["meta_info"]["completion_tokens"])))
                 k += concurrency
 
     with ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(loop, i) for i in range(concurrency)]
         try:
             time.sleep(settle_s)
-            g0, t0 = generated_tokens(httpx.get(f"{url}/metrics", timeout=60).text), time.perf_counter()
+            t0 = time.perf_counter()
             time.sleep(window_s)
-            g1, t1 = generated_tokens(httpx.get(f"{url}/metrics", timeout=60).text), time.perf_counter()
+            t1 = time.perf_counter()
         finally:
             stop.set()
         for f in futures:
             f.result()
-    return (g1 - g0) / (t1 - t0)
+    return window_tokens(requests, t0, t1) / (t1 - t0)
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -157,7 +183,7 @@ def main(argv: List[str] | None = None) -> int:
         for m in a.methods:
             spec = MethodSpec("graft" if m == PLAIN else m, m, None if m == "nospec" else a.budget,
                               a.depth, a.topk, a.draft)
-            args = spec.server_args() + a.server_args.split() + ["--enable-metrics"]
+            args = spec.server_args() + a.server_args.split()
             servers[m] = stack.enter_context(SGLangServer(a.target, args, env=_PLAIN_ENV if m == PLAIN else {},
                                                           log_path=str(work / f"{m}.log")))
         for srv in servers.values():   # warm up: compiled paths, first-use allocations
