@@ -110,9 +110,10 @@ class RetrievalConfig(BaseModel):
     lengths at the default ``match_len`` 16: 37.7 MB at the default size, fixed at start-up), each
     request adding its first ``outputs_max_request_tokens``; live requests match the context the
     device holds against it inside the graft step, so the overlap scheduler's host lag does not
-    reach it (retrieval/output_ring.py). ``"greedy"``: every request's output goes into the index, but
-    only greedy rows get its candidates, and the calibration that comes with it (agreement bins, the
-    source correction; `CalibrationConfig`) applies to greedy rows only. Measured with the issue-12
+    reach it (retrieval/output_ring.py). ``"greedy"``: only greedy rows get its candidates, and the
+    calibration that comes with it (agreement bins, the source correction; `CalibrationConfig`) applies
+    to greedy rows only; the index then holds greedy requests' outputs only (a sampled answer after an
+    m-gram is a draw, where a greedy row needs the greedy continuation; ``"on"`` holds both). Measured with the issue-12
     command (docs/benchmark.md): on greedy rows the index lifts graft where earlier answers repeat
     (quick pair chat greedy N 24 6.51 -> 7.84, shipped code greedy 4.60 -> 4.95); on sampled rows,
     whose completions rarely recur (distinct-4 0.95-1.00), it cost the shipped pair's code cells

@@ -193,18 +193,23 @@ class GraftPlanner:
         self._group[req_id] = g
         return g
 
-    def start_request(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
+    def start_request(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None,
+                      sampled: bool = False) -> None:
         """Register a request and index its prompt (idempotent: restarts the request).
 
         Args:
             tenant: the request's tenant label (``retrieval.isolation: tenant``; None = the default tenant).
+            sampled: the request is verified by sampling (SGLang: ``top_k > 1`` after its sampling
+                parameters are normalised). Its output goes into the output index only when the index
+                proposes to rows of its mode (``retrieval.outputs``; `OutputRing.start`).
         """
         ids = [int(t) for t in prompt_ids]
         self.assign_group(req_id, tenant)
         self._seen[req_id] = len(ids)
         self.retriever.start(req_id, ids, tenant)
         if self.outputs is not None:
-            self.outputs.start(req_id, ids, self._group[req_id])
+            keep = self.config.retrieval.outputs_modes[int(bool(sampled))]
+            self.outputs.start(req_id, ids, self._group[req_id], keep=keep)
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Tokens ``req_id`` committed since the last call (host view), in order."""

@@ -55,6 +55,12 @@ def tenant_of(req) -> Optional[str]:
     return getattr(req, "extra_key", None)
 
 
+def is_sampled(req) -> bool:
+    """True when ``req`` is verified by sampling: SGLang normalises temperature 0 to ``top_k = 1``
+    (``sampling_params.py:245``), the same test as `GraftWorker.sampled_rows` on the batch."""
+    return getattr(getattr(req, "sampling_params", None), "top_k", 1) > 1
+
+
 @dataclass
 class RequestStats:
     """Counters of one request (host ints)."""
@@ -120,7 +126,7 @@ class GraftRequestTracker:
                 if st is None:
                     st = RequestStats()
                     self.states[rid] = st
-                self.planner.start_request(rid, prompt, tenant=tenant_of(req))
+                self.planner.start_request(rid, prompt, tenant=tenant_of(req), sampled=is_sampled(req))
                 self.planner.extend(rid, outputs)
                 st.prompt_len, st.seen = len(prompt), total
             else:

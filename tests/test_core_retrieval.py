@@ -472,3 +472,20 @@ def test_output_index_in_the_planner_follows_isolation():
     assert not valid[0].any()
     assert tokens[1, 0, :3].tolist() == [5, 6, 7] and valid[1].sum() == 3
 
+
+@pytest.mark.parametrize("outputs, kept", [("greedy", [True, False]), ("on", [True, True])])
+def test_output_index_holds_the_outputs_of_the_modes_it_proposes_to(outputs, kept):
+    """With ``outputs: greedy`` a sampled request's output is a draw the greedy rows would not make:
+    it stays out of the index (the greedy answer after the same m-gram is what a greedy row needs)."""
+    planner = GraftPlanner(GraftConfig(num_draft_tokens=16, topk=4, depth=3,
+                                       retrieval={"outputs": outputs, "suffix": False}), vocab_size=100)
+    for rid, sampled in ((0, False), (1, True)):
+        planner.start_request(rid, [3, 4], sampled=sampled)
+        planner.extend(rid, [10 + rid] * 5)
+        planner.stop_request(rid)
+    assert planner.outputs.inserted == 5 * sum(kept)
+    hist, count = _windows([[4]])
+    tokens, valid, _ = planner.outputs.propose(hist, count, torch.zeros(1, dtype=torch.int64))
+    latest = max(rid for rid, k in enumerate(kept) if k)          # chain 0: the latest occurrence
+    assert bool(valid[0, 0, 0]) and int(tokens[0, 0, 0]) == 10 + latest
+

@@ -647,3 +647,21 @@ def test_a_root_only_trees_path_compaction_is_an_identity():
     assert torch.equal(_compact_accept_to_front(hidden, accept_index, bs, num_draft_tokens=1), hidden)
     assert _path_already_in_front(None, accept_index, accept_lens, predict, None, bs,
                                   token_to_kv_pool_allocator=None, num_draft_tokens=1) is predict
+
+
+def test_is_sampled_follows_sglangs_normalised_sampling_params():
+    """The output index keeps a request's output by its mode (`GraftPlanner.start_request`): greedy is
+    SGLang's temperature 0, which its normalisation turns into ``top_k = 1``."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_patch.graft_requests import is_sampled
+
+    def req(**kw):
+        params = SamplingParams(**kw)
+        params.normalize(None)
+        return SimpleNamespace(sampling_params=params)
+
+    assert not is_sampled(req(temperature=0.0))
+    assert is_sampled(req(temperature=0.8, top_p=0.95))
+    assert not is_sampled(req(temperature=0.8, top_k=1))      # top-k 1 verifies greedily too
+    assert not is_sampled(SimpleNamespace())                  # no parameters: the greedy default

@@ -101,8 +101,14 @@ class OutputRing:
         self.inserted = 0
 
     # ------------------------------------------------------------------ host lifecycle
-    def start(self, req_id: Hashable, prompt_ids: Sequence[int], group: int = 0) -> None:
-        """A new request (restarts it): its prompt tail is kept to precede its output in the ring."""
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int], group: int = 0, keep: bool = True) -> None:
+        """A new request (restarts it): its prompt tail is kept to precede its output in the ring.
+
+        ``keep=False``: the request's output is not inserted (a request of a mode the index does not
+        propose to; `GraftPlanner.start_request`)."""
+        if not keep:
+            self._live.pop(req_id, None)
+            return
         self._live[req_id] = _Live(int(group), array("i", (int(t) for t in prompt_ids[-self.max_match:])), array("i"))
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
