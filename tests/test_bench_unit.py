@@ -209,3 +209,28 @@ def test_interleaved_runs_alternate_the_server_order():
     assert interleave_order(servers, 1) == servers[::-1]
     firsts = {interleave_order(servers, i)[0] for i in range(4)}
     assert firsts == {"nospec", "graft"}   # graft runs first in every other cell, not always last
+
+
+def test_peer_cells_compare_graft_with_the_best_peer_and_count_calibration_misses():
+    from sglang_patch.bench.peers import peer_cells, peer_markdown
+
+    def row(method, tau, n=24, s="chat", mode="greedy", c=1, cal=None):
+        return {"method": method, "num_draft_tokens": n, "prompt_set": s, "mode": mode, "concurrency": c,
+                "tau": tau, "grafted_accept_share": 0.5 if cal else None, "calibration": cal}
+
+    cal = {"outputs": {"trials": 300, "estimated": 0.40, "observed": 0.47},      # a miss (0.07)
+           "lookup": {"trials": 500, "estimated": 0.60, "observed": 0.62},
+           "suffix": {"trials": 12, "estimated": 0.10, "observed": 0.90}}        # too few trials
+    rows = [row("nospec", 1.0, n=None), row("eagle3", 3.0), row("ngram", 8.44), row("retrieval_only", 7.9),
+            row("pruned_only", 9.5), row("graft_fixed", 8.08, cal=cal),
+            row("eagle3", 2.0, mode="sampled"), row("graft_fixed", 2.1, mode="sampled", cal={}),
+            row("graft_fixed", 99.0, c=4)]                                    # concurrency 1 only
+    cells = peer_cells(rows)
+    assert [(c["n"], c["set"], c["mode"]) for c in cells] == [(24, "chat", "greedy"), (24, "chat", "sampled")]
+    greedy, sampled = cells
+    assert greedy["ratio"] == pytest.approx(8.08 / 8.44) and not greedy["ok"]   # pruned-only is not a peer
+    assert sampled["ratio"] == pytest.approx(2.1 / 2.0) and sampled["ok"]
+    assert [(k["source"], k["ok"]) for k in greedy["calibration"]] == [("lookup", True), ("outputs", False)]
+    text = peer_markdown(cells)
+    assert "cells on target: 1 of 2; calibration cells within tolerance: 1 of 2" in text
+    assert "calibration miss: 24 chat greedy outputs: 0.400 / 0.470 (300 trials)" in text
