@@ -488,4 +488,3 @@ def test_output_index_holds_the_outputs_of_the_modes_it_proposes_to(outputs, kep
     tokens, valid, _ = planner.outputs.propose(hist, count, torch.zeros(1, dtype=torch.int64))
     latest = max(rid for rid, k in enumerate(kept) if k)          # chain 0: the latest occurrence
     assert bool(valid[0, 0, 0]) and int(tokens[0, 0, 0]) == 10 + latest
-

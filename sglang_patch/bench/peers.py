@@ -22,7 +22,8 @@ __all__ = ["BEST_OF", "peer_cells", "peer_markdown"]
 
 #: The methods graft must match (the issue-12 criterion): what a user would run instead.
 BEST_OF = ("eagle3", "ngram", "retrieval_only")
-_COLUMNS = ("eagle3", "ngram", "retrieval_only", "pruned_only", "graft_fixed")
+#: Methods shown before graft's own column (pruned-only: graft without retrieval, shown, not a peer).
+_SHOWN = BEST_OF + ("pruned_only",)
 
 
 def peer_cells(rows: Sequence[Dict[str, Any]], graft: str = "graft_fixed", ratio: float = 0.97,
@@ -63,11 +64,12 @@ def peer_cells(rows: Sequence[Dict[str, Any]], graft: str = "graft_fixed", ratio
 def peer_markdown(cells: Sequence[Dict[str, Any]], graft: str = "graft_fixed") -> str:
     """The cells as a markdown table, then the counts of cells and calibration cells on target and
     each calibration miss (``estimated / observed (trials)``)."""
-    lines = ["| N | set | mode | " + " | ".join(c.replace("_", " ") for c in _COLUMNS) + " | ratio | grafted share |",
-             "|---" * (len(_COLUMNS) + 5) + "|"]
+    columns = _SHOWN + (graft,)
+    lines = ["| N | set | mode | " + " | ".join(c.replace("_", " ") for c in columns) + " | ratio | grafted share |",
+             "|---" * (len(columns) + 5) + "|"]
     misses = []
     for c in cells:
-        tau = [f"{c['tau'][k]:.2f}" if k in c["tau"] else "-" for k in _COLUMNS[:-1]] + [f"{c['tau'][graft]:.2f}"]
+        tau = [f"{c['tau'][k]:.2f}" if k in c["tau"] else "-" for k in columns]
         rat = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
         lines.append(f"| {c['n']} | {c['set']} | {c['mode']} | " + " | ".join(tau)
                      + f" | {rat} | {c['grafted_share']:.2f} |")
