@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -232,5 +231,42 @@ def test_peer_cells_compare_graft_with_the_best_peer_and_count_calibration_misse
     assert sampled["ratio"] == pytest.approx(2.1 / 2.0) and sampled["ok"]
     assert [(k["source"], k["ok"]) for k in greedy["calibration"]] == [("lookup", True), ("outputs", False)]
     text = peer_markdown(cells)
-    assert "cells on target: 1 of 2; calibration cells within tolerance: 1 of 2" in text
+    assert greedy["ratio_se"] is None               # greedy methods decode the same text: no sampling noise
+    assert ("cells on target: 1 of 2 (misses within two standard errors of 0.97: 0 of 1); "
+            "calibration cells within tolerance: 1 of 2") in text
     assert "calibration miss: 24 chat greedy outputs: 0.400 / 0.470 (300 trials)" in text
+
+
+def test_tau_se_and_sampled_misses_within_noise():
+    from sglang_patch.bench.peers import peer_cells, peer_markdown, tau_se
+
+    # accept lengths 1 and 3, 50 steps each: tau 2, sample sd sqrt(100/99); 3 seeds x 100 tokens -> 150 steps
+    row = {"tau": 2.0, "accept_hist": [0, 50, 0, 50], "output_tokens": 100.0, "seed": [0, 1, 2]}
+    assert tau_se(row) == pytest.approx(math.sqrt(100 / 99 / 150))
+    assert tau_se({"tau": 1.0, "accept_hist": [0, 64], "output_tokens": 64}) == 0.0     # no spread: no-spec
+
+    def row(method, tau, hist, tokens):
+        return {"method": method, "num_draft_tokens": 24, "prompt_set": "code", "mode": "sampled",
+                "concurrency": 1, "tau": tau, "accept_hist": hist, "output_tokens": tokens, "seed": [0, 1, 2]}
+
+    wide = [0, 40, 20, 20, 20]                       # tau 2.2, a wide spread
+    near = peer_cells([row("eagle3", 2.2, wide, 100), row("graft_fixed", 2.1, wide, 100)])[0]
+    far = peer_cells([row("eagle3", 2.2, wide, 10000), row("graft_fixed", 2.1, wide, 10000)])[0]
+    assert not near["ok"] and near["ratio"] + 2 * near["ratio_se"] >= 0.97       # 45 steps per method
+    assert not far["ok"] and far["ratio"] + 2 * far["ratio_se"] < 0.97           # 4545 steps per method
+    assert "within two standard errors of 0.97: 1 of 1" in peer_markdown([near])
+    assert "within two standard errors of 0.97: 0 of 1" in peer_markdown([far])
+
+
+def test_sampled_seeds_average_rates_and_sum_counts():
+    from sglang_patch.bench.__main__ import _mean_row
+
+    def seed_row(seed, tau, hist, steps):
+        return {"seed": seed, "tau": tau, "tokens_per_s": 10.0 * tau, "wall_s": 1.0, "mean_latency_s": 0.5,
+                "output_tokens": 60.0, "verified_tokens_per_step": 24, "verify_steps": steps,
+                "accept_hist": hist, "grafted_accept_share": 0.2}
+
+    row = _mean_row([seed_row(0, 2.0, [0, 10, 10, 10], 30), seed_row(1, 3.0, [0, 0, 10, 0, 10], 20)])
+    assert row["seed"] == [0, 1] and row["tau_per_seed"] == [2.0, 3.0]
+    assert row["tau"] == pytest.approx(2.5) and row["output_tokens"] == pytest.approx(60.0)
+    assert row["verify_steps"] == 50 and row["accept_hist"] == [0, 10, 20, 10, 10]

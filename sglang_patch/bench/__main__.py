@@ -274,11 +274,19 @@ def _width_rounds(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, in
 
 
 def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One row for a sampled (set, mode, concurrency): rates averaged over the seeds, counts summed."""
+    """One row for a sampled (set, mode, concurrency): rates and ``output_tokens`` averaged over the
+    seeds, ``verify_steps`` and ``accept_hist`` summed, each seed's tau in ``tau_per_seed``."""
     row = dict(group[0])
     row["seed"] = [g["seed"] for g in group]
+    row["tau_per_seed"] = [g["tau"] for g in group]
     for key in ("tau", "tokens_per_s", "wall_s", "mean_latency_s", "output_tokens", "verified_tokens_per_step"):
         row[key] = sum(g[key] for g in group) / len(group)
+    row["verify_steps"] = sum(g["verify_steps"] for g in group)
+    hist = [0] * max(len(g["accept_hist"]) for g in group)
+    for g in group:
+        for k, n in enumerate(g["accept_hist"]):
+            hist[k] += n
+    row["accept_hist"] = hist
     shares = [g["grafted_accept_share"] for g in group if g.get("grafted_accept_share") is not None]
     row["grafted_accept_share"] = sum(shares) / len(shares) if shares else None
     if "calibration" in row:
