@@ -234,7 +234,7 @@ def test_peer_cells_compare_graft_with_the_best_peer_and_count_calibration_misse
     assert greedy["ratio_se"] is None               # greedy methods decode the same text: no sampling noise
     assert ("cells on target: 1 of 2 (misses within two standard errors of 0.97: 0 of 1); "
             "calibration cells within tolerance: 1 of 2") in text
-    assert "calibration miss: 24 chat greedy outputs: 0.400 / 0.470 (300 trials)" in text
+    assert "calibration miss: 24 chat greedy outputs: 0.400 / 0.470 (300 trials, 2 se 0.058)" in text
 
 
 def test_tau_se_and_sampled_misses_within_noise():

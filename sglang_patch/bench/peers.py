@@ -9,7 +9,9 @@ trials. The targets: ratio >= ``--ratio`` (0.97) in every cell, |estimated - obs
 (`tau_se`): sampled methods decode different texts (each tree consumes the seed's draws
 differently), so their taus carry sampling noise, and a miss inside two standard errors is one this
 run cannot tell from the target. Greedy methods decode the same text (checked against no-spec), so
-a greedy ratio has no such noise and gets none. Reads the JSON `sglang_patch.bench` writes; runs
+a greedy ratio has no such noise and gets none. Each calibration miss is printed with two binomial
+standard errors of its observed rate (trials taken as independent: retrieved nodes come in chains,
+so this too is a lower bound on the noise). Reads the JSON `sglang_patch.bench` writes; runs
 nothing.
 
 Example::
@@ -64,7 +66,7 @@ def peer_cells(rows: Sequence[Dict[str, Any]], graft: str = "graft_fixed", ratio
         ratio, tol, min_trials: the targets and the calibration cells' minimum trials.
     Returns:
         ``[{"n", "set", "mode", "tau": {method: tau}, "ratio", "ratio_se", "ok", "grafted_share",
-        "calibration": [{"source", "estimated", "observed", "trials", "ok"}]}]`` sorted by (N, set,
+        "calibration": [{"source", "estimated", "observed", "trials", "se", "ok"}]}]`` sorted by (N, set,
         mode); ``ratio`` = graft's tau over the best of `BEST_OF` present (None when none is),
         ``ratio_se`` its standard error from both rows' `tau_se` (sampled cells; None otherwise).
     """
@@ -83,6 +85,7 @@ def peer_cells(rows: Sequence[Dict[str, Any]], graft: str = "graft_fixed", ratio
         rat_se = (None if rat is None or m != "sampled" else
                   rat * math.hypot(tau_se(g) / g["tau"], tau_se(best) / best["tau"]))
         cal = [{"source": src, "estimated": v["estimated"], "observed": v["observed"], "trials": v["trials"],
+                "se": math.sqrt(v["observed"] * (1.0 - v["observed"]) / v["trials"]),
                 "ok": abs(v["estimated"] - v["observed"]) <= tol}
                for src, v in sorted((g.get("calibration") or {}).items())
                if isinstance(v, dict) and v.get("trials", 0) >= min_trials and v.get("estimated") is not None]
@@ -96,7 +99,7 @@ def peer_cells(rows: Sequence[Dict[str, Any]], graft: str = "graft_fixed", ratio
 def peer_markdown(cells: Sequence[Dict[str, Any]], graft: str = "graft_fixed", ratio: float = 0.97) -> str:
     """The cells as a markdown table (sampled ratios +- two standard errors), then the counts of cells and
     calibration cells on target, how many missed cells are within two standard errors of
-    ``ratio``, and each calibration miss (``estimated / observed (trials)``)."""
+    ``ratio``, and each calibration miss (``estimated / observed (trials, 2 se)``)."""
     columns = _SHOWN + (graft,)
     lines = ["| N | set | mode | " + " | ".join(c.replace("_", " ") for c in columns) + " | ratio ± 2 se | grafted share |",
              "|---" * (len(columns) + 5) + "|"]
@@ -108,7 +111,7 @@ def peer_markdown(cells: Sequence[Dict[str, Any]], graft: str = "graft_fixed", r
         lines.append(f"| {c['n']} | {c['set']} | {c['mode']} | " + " | ".join(tau)
                      + f" | {rat} | {c['grafted_share']:.2f} |")
         misses += [f"{c['n']} {c['set']} {c['mode']} {k['source']}: {k['estimated']:.3f} / {k['observed']:.3f} "
-                   f"({k['trials']:.0f} trials)" for k in c["calibration"] if not k["ok"]]
+                   f"({k['trials']:.0f} trials, 2 se {2 * k['se']:.3f})" for k in c["calibration"] if not k["ok"]]
     cal = [k for c in cells for k in c["calibration"]]
     missed = [c for c in cells if not c["ok"] and c["ratio"] is not None]
     near = sum(c["ratio_se"] is not None and c["ratio"] + 2 * c["ratio_se"] >= ratio for c in missed)
