@@ -241,8 +241,8 @@ def test_tau_se_and_sampled_misses_within_noise():
     from sglang_patch.bench.peers import peer_cells, peer_markdown, tau_se
 
     # accept lengths 1 and 3, 50 steps each: tau 2, sample sd sqrt(100/99); 3 seeds x 100 tokens -> 150 steps
-    row = {"tau": 2.0, "accept_hist": [0, 50, 0, 50], "output_tokens": 100.0, "seed": [0, 1, 2]}
-    assert tau_se(row) == pytest.approx(math.sqrt(100 / 99 / 150))
+    pooled = {"tau": 2.0, "accept_hist": [0, 50, 0, 50], "output_tokens": 100.0, "seed": [0, 1, 2]}
+    assert tau_se(pooled) == pytest.approx(math.sqrt(100 / 99 / 150))
     assert tau_se({"tau": 1.0, "accept_hist": [0, 64], "output_tokens": 64}) == 0.0     # no spread: no-spec
 
     def row(method, tau, hist, tokens):
