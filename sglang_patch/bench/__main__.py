@@ -39,7 +39,8 @@ from sglang_patch.bench.client import run_prompts_sync, sampling_params
 from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, build_methods, interleave_order
 from sglang_patch.bench.prompts import load_prompts, split_warmup
 from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
-                                       merge_calibration, summarize, text_quality, write_json, write_plots)
+                                       merge_calibration, sum_histograms, summarize, text_quality, write_json,
+                                       write_plots)
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -282,11 +283,7 @@ def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
     for key in ("tau", "tokens_per_s", "wall_s", "mean_latency_s", "output_tokens", "verified_tokens_per_step"):
         row[key] = sum(g[key] for g in group) / len(group)
     row["verify_steps"] = sum(g["verify_steps"] for g in group)
-    hist = [0] * max(len(g["accept_hist"]) for g in group)
-    for g in group:
-        for k, n in enumerate(g["accept_hist"]):
-            hist[k] += n
-    row["accept_hist"] = hist
+    row["accept_hist"] = sum_histograms(g["accept_hist"] for g in group)
     shares = [g["grafted_accept_share"] for g in group if g.get("grafted_accept_share") is not None]
     row["grafted_accept_share"] = sum(shares) / len(shares) if shares else None
     if "calibration" in row:

@@ -101,7 +101,8 @@ def peer_markdown(cells: Sequence[Dict[str, Any]], graft: str = "graft_fixed", r
     calibration cells on target, how many missed cells are within two standard errors of
     ``ratio``, and each calibration miss (``estimated / observed (trials, 2 se)``)."""
     columns = _SHOWN + (graft,)
-    lines = ["| N | set | mode | " + " | ".join(c.replace("_", " ") for c in columns) + " | ratio ± 2 se | grafted share |",
+    names = " | ".join(c.replace("_", " ") for c in columns)
+    lines = ["| N | set | mode | " + names + " | ratio ± 2 se | grafted share |",
              "|---" * (len(columns) + 5) + "|"]
     misses = []
     for c in cells:

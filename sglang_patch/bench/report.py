@@ -5,9 +5,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from sglang_patch.bench.client import RunResult
+
+
+def sum_histograms(hists: Iterable[Sequence[int]], offset: int = 0) -> List[int]:
+    """Element-wise sum of count lists of any lengths, each moved ``offset`` places right (index =
+    accept length; SGLang's per-request ``correct_drafts_histogram`` counts drafted tokens, so
+    ``offset=1`` adds the bonus token). ``[]`` for no lists."""
+    out: List[int] = []
+    for h in hists:
+        for k, c in enumerate(h):
+            while len(out) <= k + offset:
+                out.append(0)
+            out[k + offset] += int(c)
+    return out
 
 
 def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
@@ -28,12 +41,7 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
     tree_accepted = sum(src.count(c) for c in "drp")
     tokens = sum(r.completion_tokens for r in run.results)
     steps = sum(r.verify_ct for r in run.results)
-    hist: List[int] = []
-    for r in run.results:
-        for k, c in enumerate(r.correct_drafts_histogram):
-            while len(hist) <= k + 1:
-                hist.append(0)
-            hist[k + 1] += int(c)
+    hist = sum_histograms((r.correct_drafts_histogram for r in run.results), offset=1)
     spec = steps > 0
     return {
         "tau": tokens / steps if spec else 1.0,
