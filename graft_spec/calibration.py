@@ -54,6 +54,8 @@ bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the 
 rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
 recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
 for every source and mode by default (``calibration.source_window``, where the measurements are).
+On top of it each request corrects the retrieval sources by its own window
+(request_correction.py, ``calibration.request_window``), with the same map (`linear_correction`).
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
@@ -70,7 +72,7 @@ __all__ = [
     "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
     "MEMBER_AGREE", "NUM_MEMBERS",
     "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
-    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator",
+    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator", "linear_correction", "apply_correction",
 ]
 
 MEMBER_DRAFT = 0      #: proposed by the draft model
@@ -153,6 +155,38 @@ class BinLayout:
         if member == MEMBER_AGREE:
             return self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
         return self.draft_bins + self.template_size + RETRIEVAL_MEMBERS.index(member) * self.retrieval_bins
+
+
+def linear_correction(trials: torch.Tensor, estimated: torch.Tensor, hits: torch.Tensor,
+                      pseudo_trials: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The linear recalibration of a window of verified nodes (module docstring, "Source
+    correction"): ``(scale, under)``, both shaped like the inputs.
+
+    Args:
+        trials, estimated, hits: float windows (any equal shapes): trials ``T``, sum of the estimates
+            the nodes were priced with ``E``, hits ``H``.
+        pseudo_trials: ``a``, pseudo-trials of calibrated data at the window's mean estimate
+            (a window with few trials stays near the identity).
+    Returns:
+        ``scale`` float in (0, 1] and ``under`` bool (the window was under-estimated, ``H > E``);
+        `apply_correction` maps an estimate ``b`` to ``1 - (1 - b) * scale`` where ``under`` (misses
+        scaled) and ``b * scale`` elsewhere (hits scaled). A window with under one trial: identity.
+    """
+    a = pseudo_trials
+    t, e, h = trials, estimated, hits
+    pe = a * e / t.clamp(min=1e-6)
+    pm = a - pe
+    seen = t >= 1.0
+    hits_scale = torch.where(seen, (h + pe) / (e + pe).clamp(min=1e-6), 1.0).clamp(max=1.0)
+    miss_scale = torch.where(seen, (t - h + pm) / (t - e + pm).clamp(min=1e-6), 1.0).clamp(max=1.0)
+    under = h > e
+    return torch.where(under, miss_scale, hits_scale), under
+
+
+def apply_correction(base: torch.Tensor, scale: torch.Tensor, under: torch.Tensor) -> torch.Tensor:
+    """Estimates ``base`` through `linear_correction`'s ``(scale, under)`` (broadcast): monotone in
+    ``base`` and in [0, 1] for ``base`` in [0, 1]."""
+    return torch.where(under, 1.0 - (1.0 - base) * scale, base * scale)
 
 
 class Calibrator:
@@ -331,20 +365,14 @@ class Calibrator:
         """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""
         if self.source_window <= 0:
             return base
-        a = self.SOURCE_PSEUDO_TRIALS
         t, e, h = self.recent.unbind(1)
-        # a pseudo-trials of calibrated data (observed = estimated at the window's mean rate)
-        pe = a * e / t.clamp(min=1e-6)
-        pm = a - pe
-        seen = t >= 1.0
-        hits_scale = torch.where(seen, (h + pe) / (e + pe).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
-        miss_scale = torch.where(seen, (t - h + pm) / (t - e + pm).clamp(min=1e-6), 1.0).clamp(max=1.0)[self._group]
-        under = (h > e)[self._group]
-        return torch.where(under, 1.0 - (1.0 - base) * miss_scale, base * hits_scale)
+        scale, under = linear_correction(t, e, h, self.SOURCE_PSEUDO_TRIALS)
+        return apply_correction(base, scale[self._group], under[self._group])
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
-               estimates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               estimates: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Credit one verify round.
 
         Args:
@@ -353,6 +381,9 @@ class Calibrator:
             on_path: ``bool[B, N]`` nodes on the accepted path.
             depth: ``int64[B, N]`` node depths.
             estimates: the `estimates` table the round was built with.
+            factors: the per-request correction the round was priced with
+                (`RequestCorrection.factors`: ``(float32[B, NUM_MEMBERS], bool[B, NUM_MEMBERS])``),
+                or None; only the metrics use it (the bins learn from their own counts).
         Returns:
             This round's metric increments (device tensors, also added to `member_stats` /
             `depth_stats`): ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) and
@@ -376,7 +407,10 @@ class Calibrator:
             self.recent[-1].fill_(0.0)
             self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
         # metrics: per member source and per depth (cumulative, never halved)
-        est = estimates.gather(0, flat).view_as(bins).double()
+        est = estimates.gather(0, flat).view_as(bins)
+        if factors is not None:  # the metrics compare what the round was priced with
+            est = apply_correction(est, factors[0][:, None, :], factors[1][:, None, :])
+        est = est.double()
         v = valid.double()
         h = hit.view_as(bins).double()
         members = torch.stack([v.sum((0, 1)), (est * v).sum((0, 1)), h.sum((0, 1))], dim=1)

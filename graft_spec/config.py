@@ -251,6 +251,10 @@ class CalibrationConfig(BaseModel):
             pair, chat, T 0.8, 12 prompts x 6 seeds, N 24 / 60): lookup 0.053 / 0.044 and
             0.049 / 0.028 without it, 0.027 / 0.045 and 0.020 / 0.022 with it, tau 1.581 /
             1.656 without, 1.579 / 1.648 with (seed noise).
+        request_window: rounds per request and retrieval source (successor, suffix, corpus, lookup,
+            outputs) over which that request's own correction of the source's estimates is measured
+            (request_correction.py; a round is one trial); 0 = off. Measured: docs/benchmark.md
+            "Per-request correction".
         agreement: price and credit a draft node a retrieval source also proposed in agreement bins
             of its own instead of the draft bins (calibration.py); None = on exactly for the rows
             that get the output index (``retrieval.outputs``). With the output index the retrieved
@@ -265,6 +269,7 @@ class CalibrationConfig(BaseModel):
     prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
     halve_at: float = Field(default=4096.0, ge=16.0)
     source_window: float = Field(default=256.0, ge=0.0)
+    request_window: float = Field(default=64.0, ge=0.0)
     agreement: Optional[bool] = None
 
 

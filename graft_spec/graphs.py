@@ -11,9 +11,10 @@ step would dominate every round; SGLang captures its own draft forwards and tree
 round copies its inputs into the first ``B`` rows of the smallest bucket that holds the batch
 (padding rows keep earlier valid values, their trees are dropped), replays, and clones the first
 ``B`` rows of the outputs (graphs share one memory pool, so a later replay may reuse an earlier
-one's output memory). The planner's tables (calibration counts, successor table, token history)
-are read inside the graph at their fixed addresses: they are updated in place by
-`GraftPlanner.observe` and must not be reallocated after `capture` (size the token history first).
+one's output memory). The planner's tables (calibration counts, successor table, token history,
+per-request correction windows) are read inside the graph at their fixed addresses: they are updated
+in place by `GraftPlanner.observe` and must not be reallocated after `capture` (size the per-slot
+state first, `GraftPlanner.ensure_slots`).
 
 Batches larger than the largest bucket, devices other than CUDA and widths not captured run the
 eager `GraftPlanner.build`: same function, same result.

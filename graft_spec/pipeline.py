@@ -34,6 +34,7 @@ from .retrieval.output_ring import OutputRing
 from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
+from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput
 from .tree import SOURCE_PADDING, DraftTree, node_depths, path_min
 
@@ -158,6 +159,9 @@ class GraftPlanner:
         self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, config.calibration.prior_weight,
                                      config.calibration.halve_at, max_depth=max(n, 64), device=self.device,
                                      source_window=config.calibration.source_window)
+        #: per-request windows of the retrieval sources' acceptance (request_correction.py)
+        self.request_correction = RequestCorrection(max_slots, config.calibration.request_window,
+                                                    device=self.device)
         self.retriever = Retriever.from_config(config, corpus)
         #: earlier requests' outputs, on the device (retrieval/output_ring.py), or None
         self.outputs = (OutputRing(r.outputs_max_tokens, r.match_len, n - 1, r.outputs_max_request_tokens, self.device)
@@ -297,7 +301,24 @@ class GraftPlanner:
         if step is None:
             step = self.steps[num_nodes] = self._new_step(num_nodes)
         hist, count = self.history.gather(slot_ids)
-        return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates())
+        return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates(),
+                    self._factors(slot_ids))
+
+    def _factors(self, slot_ids: torch.Tensor):
+        """The rows' per-request correction, or None when it is off (config: a static choice)."""
+        return self.request_correction.factors(slot_ids) if self.request_correction.enabled else None
+
+    def ensure_slots(self, slots: int) -> None:
+        """Size the per-slot state (token history, per-request correction) to ``slots`` engine slots
+        (a host-side size check; grows once, at start-up, before any graph capture)."""
+        self.history.ensure(slots)
+        self.request_correction.ensure(slots)
+
+    def reset_slots(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
+        """New requests took slots ``slot_ids`` ``int64[B]``: their token windows become the first
+        ``lens[b]`` of ``tokens[b]`` (`TokenHistory.reset`) and their per-request windows empty."""
+        self.history.reset(slot_ids, tokens, lens)
+        self.request_correction.reset(slot_ids)
 
     def plain(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> StepOutput:
         """The root-only `StepOutput` of a plain decode round (verify width 1), so its bookkeeping
@@ -310,7 +331,7 @@ class GraftPlanner:
         from the same inputs as `build`."""
         est = self.calibrator.estimates()
         hist, count = self.history.gather(slot_ids)
-        floor = self.step.retrieval_floor(roots, host, hist, count, seq_lens, sampled, est)
+        floor = self.step.retrieval_floor(roots, host, hist, count, seq_lens, sampled, est, self._factors(slot_ids))
         return ExpectedGainGate(self.calibrator, draft_bounds(self.calibrator, est), floor, sampled)
 
     def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
@@ -337,7 +358,10 @@ class GraftPlanner:
             self.history.append(slot_ids, committed, accept_len)
             return RoundStats(tree.tokens[:, :0], torch.zeros_like(self.calibrator.member_stats),
                               torch.zeros_like(self.calibrator.depth_stats))
-        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates)
+        # the per-request windows change only here, so the factors read now are the ones `build` priced with
+        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates,
+                                                 self._factors(slot_ids))
+        self.request_correction.update(slot_ids, out.member_bins, on_path, out.estimates)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),

@@ -39,6 +39,7 @@ from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .prune import PruneStages, prune
+from .request_correction import RequestCorrection
 from .retrieval.buffer import HostCandidates
 from .retrieval.lookup import lookup_propose
 from .retrieval.output_ring import OutputRing
@@ -332,19 +333,30 @@ class GraftStep:
             key_n = torch.where(keep, math.inf, refill)
         return tokens, parents, key_n, est_n, valid_n, bins_n
 
+    @staticmethod
+    def _price(est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:
+        """``est_table[bins]`` through the rows' per-request correction (request_correction.py;
+        ``member``: int or int64 broadcastable to ``bins``; ``factors`` None = none)."""
+        est = est_table[bins]
+        if factors is None:
+            return est
+        if isinstance(member, int):
+            member = torch.full((1, 1), member, dtype=torch.int64, device=est.device)
+        return RequestCorrection.price(est, member, factors)
+
     def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                        est_table: torch.Tensor):
+                        est_table: torch.Tensor, factors=None):
         succ = self.successor
         tokens, valid = succ.expand(roots, groups)
         t = succ.size
         b = roots.shape[0]
         bins = self.calibrator.successor_bins(t, sampled)
-        est = torch.where(valid, est_table[bins], 0.0)
+        est = torch.where(valid, self._price(est_table, bins, MEMBER_SUCCESSOR, factors), 0.0)
         parents = succ.t_parent.expand(b, t)
         return tokens, parents, est, valid, torch.where(valid, bins, -1)
 
     def _chain_part(self, tokens: torch.Tensor, valid: torch.Tensor, match: torch.Tensor, member: int,
-                    sampled: torch.Tensor, est_table: torch.Tensor):
+                    sampled: torch.Tensor, est_table: torch.Tensor, factors=None):
         """Candidates of C device chains ``tokens``/``valid`` ``[B, C, D]`` (node t of a chain at depth
         t + 1) matched on ``match`` ``[B, C]`` tail tokens, priced by depth and match length."""
         b, c, d = tokens.shape
@@ -354,20 +366,22 @@ class GraftStep:
         bins = self.calibrator.retrieval_bins(members, depth, torch.zeros(b, c * d, device=dev),
                                               match.repeat_interleave(d, dim=1), sampled)
         valid = valid.reshape(b, c * d)
-        est = torch.where(valid, est_table[bins], 0.0)
+        est = torch.where(valid, self._price(est_table, bins, member, factors), 0.0)
         chain = torch.arange(-1, d - 1, device=dev)
         parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d)
         return tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members
 
-    def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+    def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
+                     factors=None):
         tokens, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, self.pool - 1)
-        return self._chain_part(tokens[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP, sampled, est_table)
+        return self._chain_part(tokens[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP, sampled, est_table,
+                                factors)
 
     def _outputs_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                      est_table: torch.Tensor):
+                      est_table: torch.Tensor, factors=None):
         """The output index's chains, on the rows ``retrieval.outputs`` gives them to (default: greedy)."""
         tok, par, est, valid, bins, members = self._chain_part(*self.outputs.propose(hist, count, groups),
-                                                               MEMBER_OUTPUTS, sampled, est_table)
+                                                               MEMBER_OUTPUTS, sampled, est_table, factors)
         rows = _mode_rows(self.config.retrieval.outputs_modes, sampled)
         if rows is not None:
             valid = valid & rows[:, None]
@@ -375,15 +389,15 @@ class GraftStep:
         return tok, par, est, valid, bins, members
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
-                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor):
+                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, factors=None):
         parents, depth, logp, match, valid = reanchor(host, hist, count, seq_lens)
         bins = self.calibrator.retrieval_bins(host.member, depth.clamp(min=1), logp, match, sampled)
-        est = torch.where(valid, est_table[bins], 0.0)
+        est = torch.where(valid, self._price(est_table, bins, host.member.clamp(0, NUM_MEMBERS - 1), factors), 0.0)
         return host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member
 
     def retrieval_floor(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor,
                         count: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
-                        est_table: torch.Tensor) -> torch.Tensor:
+                        est_table: torch.Tensor, factors=None) -> torch.Tensor:
         """``float32[B]``: a lower bound of the round's selection threshold from the retrieved
         candidates alone (max over sources of their (N-1)-th best estimate; gate.py). +inf when draft
         nodes are disabled (nothing to draft for). Groups are the retrieval members, numbered from
@@ -392,17 +406,17 @@ class GraftStep:
         est, valid = [torch.zeros(b, 0, device=dev)], [torch.zeros(b, 0, dtype=torch.bool, device=dev)]
         member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)]
         if self.successor is not None:
-            _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table)
+            _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table, factors)
             est.append(e)
             valid.append(v)
             member.append(torch.full_like(e, MEMBER_SUCCESSOR, dtype=torch.int64))
         parts = []                                       # (tokens, parents, est, valid, bins, member)
         if self.config.retrieval.lookup:
-            parts.append(self._lookup_part(hist, count, sampled, est_table))
+            parts.append(self._lookup_part(hist, count, sampled, est_table, factors))
         if self.outputs is not None:
-            parts.append(self._outputs_part(hist, count, host.group, sampled, est_table))
+            parts.append(self._outputs_part(hist, count, host.group, sampled, est_table, factors))
         if host.width > 0:
-            parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table))
+            parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table, factors))
         for _, _, e, v, _, m in parts:
             est.append(e)
             valid.append(v)
@@ -417,7 +431,7 @@ class GraftStep:
     # ------------------------------------------------------------------ the step
     def __call__(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
                  hist: torch.Tensor, count: torch.Tensor, seq_lens: torch.Tensor,
-                 sampled: torch.Tensor, est_table: torch.Tensor) -> StepOutput:
+                 sampled: torch.Tensor, est_table: torch.Tensor, factors=None) -> StepOutput:
         """Build one round's hybrid tree and its verify layout.
 
         Args:
@@ -431,6 +445,8 @@ class GraftStep:
             seq_lens: ``int64[B]`` committed tokens before the root.
             sampled: ``bool[B]`` rows verified by sampling (their own calibration bins).
             est_table: ``Calibrator.estimates()``.
+            factors: the rows' per-request correction of the retrieval sources
+                (`RequestCorrection.factors`), or None.
         Returns:
             `StepOutput` of width ``num_nodes`` (default ``config.num_draft_tokens``), with the gain
             curve over the full pool.
@@ -459,14 +475,15 @@ class GraftStep:
             offset += tok.shape[1]
 
         if self.successor is not None:
-            tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table)
+            tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table, factors)
             add(tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR))
         if self.config.retrieval.lookup:
-            add(*self._lookup_part(hist, count, sampled, est_table))
+            add(*self._lookup_part(hist, count, sampled, est_table, factors))
         if self.outputs is not None:
-            add(*self._outputs_part(hist, count, host.group, sampled, est_table))
+            add(*self._outputs_part(hist, count, host.group, sampled, est_table, factors))
         if host.width > 0:
-            tok, par, est, valid, bins, member = self._host_part(host, hist, count, seq_lens, sampled, est_table)
+            tok, par, est, valid, bins, member = self._host_part(host, hist, count, seq_lens, sampled, est_table,
+                                                                 factors)
             add(tok, par, est, valid, bins, member)
 
         valid = torch.cat(parts_valid, 1) & host.speculate[:, None]               # per-request opt-out

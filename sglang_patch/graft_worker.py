@@ -396,8 +396,9 @@ class GraftWorker(EAGLEWorkerV2):
         return host, draft
 
     def _slots(self) -> None:
-        """Size the token history to the request pool (its rows are ``req_pool_indices``) on first use."""
-        self.planner.history.ensure(self.target_worker.model_runner.req_to_token_pool.req_to_token.shape[0])
+        """Size the per-slot state (token history, per-request correction) to the request pool (its
+        rows are ``req_pool_indices``) on first use."""
+        self.planner.ensure_slots(self.target_worker.model_runner.req_to_token_pool.req_to_token.shape[0])
 
     # ------------------------------------------------------------------ per round (host side)
     def host_candidates(self, batch) -> HostCandidates:
@@ -553,9 +554,8 @@ class GraftWorker(EAGLEWorkerV2):
             tail = c[-window:]
             rows[i, : len(tail)] = tail
         lens = torch.tensor([min(len(c), window) for c in ctx], dtype=torch.int64)
-        hist = self.planner.history
-        hist.reset(slots, torch.from_numpy(rows).to(self.device, non_blocking=True), lens.to(self.device))
-        hist.append(slots, first[:, None], torch.ones_like(first))
+        self.planner.reset_slots(slots, torch.from_numpy(rows).to(self.device, non_blocking=True), lens.to(self.device))
+        self.planner.history.append(slots, first[:, None], torch.ones_like(first))
         ids = batch.input_ids
         lens = getattr(batch, "extend_lens", None)
         if self.planner.successor is not None and ids is not None and lens and ids.numel() > 1:

@@ -86,7 +86,7 @@ def build_hybrid(planner: GraftPlanner, spine, req_ids):
     """The planner's hybrid tree for a spine draft, the host sources anchored at the root."""
     b = len(req_ids)
     host = planner.host_candidates(req_ids)
-    planner.history.ensure(b)   # empty: no lookup; the host sources are anchored at the root
+    planner.ensure_slots(b)   # empty: no lookup; the host sources are anchored at the root
     seq = torch.tensor([planner.seen(r) - 1 for r in req_ids])
     return planner.build(tree_draft_candidates(spine), spine.tokens[:, 0], host, torch.arange(b), seq,
                          torch.zeros(b, dtype=torch.bool)).tree

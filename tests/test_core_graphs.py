@@ -26,7 +26,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def _planner(device: str) -> GraftPlanner:
     cfg = GraftConfig(num_draft_tokens=24, topk=TOPK, depth=STEPS)
     planner = GraftPlanner(cfg, VOCAB, device=device, max_batch=32, max_slots=32)
-    planner.history.ensure(32)
+    planner.ensure_slots(32)
     return planner
 
 

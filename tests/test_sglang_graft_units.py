@@ -398,7 +398,7 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
 
     bs, n, vocab = 2, 4, 64
     planner = _planner(successor_k=3)
-    planner.history.ensure(8)
+    planner.ensure_slots(8)
     from graft_spec.budget import BatchBudget
 
     worker = object.__new__(GraftWorker)

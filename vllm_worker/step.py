@@ -122,7 +122,7 @@ class GraftStep:
         # rows are batch positions here: the device history is rewritten from the input batch
         n_tok = np.asarray(num_tokens[:b], dtype=np.int64)
         hist = self.planner.history
-        hist.ensure(b)
+        self.planner.ensure_slots(b)
         window = np.zeros((b, hist.length), dtype=np.int64)
         for i in range(b):
             tail = token_ids[i, max(0, n_tok[i] - hist.length):n_tok[i]]
