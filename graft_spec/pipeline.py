@@ -336,8 +336,9 @@ class GraftPlanner:
 
     def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
                 committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
-        """Device bookkeeping of a verified round (no host read): calibration counts, successor
-        table, and the committed tokens appended to the slots' history.
+        """Device bookkeeping of a verified round (no host read): calibration counts, the slots'
+        per-request correction windows, successor table, and the committed tokens appended to the
+        slots' history.
 
         Args:
             out: the round's `StepOutput`.
