@@ -92,10 +92,13 @@ class RequestCorrection:
         return torch.where(on, scale, 1.0), under & on
 
     @staticmethod
-    def price(est: torch.Tensor, member: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Estimates ``est`` ``float32[B, M]`` of nodes of member sources ``member`` (int64,
-        broadcastable to ``[B, M]``) through their rows' `factors`."""
+    def price(est: torch.Tensor, member: "int | torch.Tensor", factors: tuple[torch.Tensor, torch.Tensor]
+              ) -> torch.Tensor:
+        """Estimates ``est`` ``float32[B, M]`` of nodes of member sources ``member`` (one member for
+        every node, an int, or int64 broadcastable to ``[B, M]``) through their rows' `factors`."""
         scale, under = factors
+        if isinstance(member, int):
+            return apply_correction(est, scale[:, member, None], under[:, member, None])
         m = member.to(torch.int64).expand_as(est)
         return apply_correction(est, scale.gather(1, m), under.gather(1, m))
 

@@ -338,11 +338,7 @@ class GraftStep:
         """``est_table[bins]`` through the rows' per-request correction (request_correction.py;
         ``member``: int or int64 broadcastable to ``bins``; ``factors`` None = none)."""
         est = est_table[bins]
-        if factors is None:
-            return est
-        if isinstance(member, int):
-            member = torch.full((1, 1), member, dtype=torch.int64, device=est.device)
-        return RequestCorrection.price(est, member, factors)
+        return est if factors is None else RequestCorrection.price(est, member, factors)
 
     def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
                         est_table: torch.Tensor, factors=None):

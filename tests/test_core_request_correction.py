@@ -47,6 +47,7 @@ def test_a_request_window_moves_its_own_estimates_toward_its_rate(est, hits, ove
     factors = rc.factors(torch.tensor([1, 2]))
     grid = torch.linspace(0, 1, 11)[None, :].expand(2, 11)
     priced = RequestCorrection.price(grid, torch.full((1, 1), MEMBER_SUFFIX), factors)
+    assert torch.equal(RequestCorrection.price(grid, MEMBER_SUFFIX, factors), priced)   # one member as an int
     assert torch.equal(priced[1], grid[1])                                # another slot: untouched
     assert (priced[0] <= grid[0]).all() if over else (priced[0] >= grid[0]).all()
     assert (priced[0].diff() >= 0).all() and (priced[0] >= 0).all() and (priced[0] <= 1).all()  # monotone
