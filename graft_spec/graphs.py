@@ -60,12 +60,13 @@ class _Static:
 
 
 def _rows(out: StepOutput, b: int) -> StepOutput:
-    """Clones of the first ``b`` rows of a replayed `StepOutput` (estimates: the whole table)."""
+    """Clones of the first ``b`` rows of a replayed `StepOutput` (estimates: the whole table; factors: their
+    first ``b`` rows)."""
     tree = DraftTree(*(t[:b].clone() for t in (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source)))
     cut = lambda t: None if t is None else t[:b].clone()  # noqa: E731
     return StepOutput(tree, cut(out.member_bins), cut(out.depth), cut(out.positions), cut(out.mask),
                       cut(out.first_child), cut(out.next_sibling), out.estimates.clone(), cut(out.groups),
-                      cut(out.gain))
+                      cut(out.gain), None if out.factors is None else tuple(cut(t) for t in out.factors))
 
 
 class StepGraphs:

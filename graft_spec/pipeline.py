@@ -359,9 +359,7 @@ class GraftPlanner:
             self.history.append(slot_ids, committed, accept_len)
             return RoundStats(tree.tokens[:, :0], torch.zeros_like(self.calibrator.member_stats),
                               torch.zeros_like(self.calibrator.depth_stats))
-        # the per-request windows change only here, so the factors read now are the ones `build` priced with
-        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates,
-                                                 self._factors(slot_ids))
+        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates, out.factors)
         self.request_correction.update(slot_ids, out.member_bins, on_path, out.estimates)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])

@@ -171,6 +171,9 @@ class StepOutput:
         groups: ``int64[B]`` successor-table isolation group of each row (for the update).
         gain: ``float32[B, P - 1]`` expected accepted nodes of a tree of every width 2..P from the
             same candidates (P = the config's ``num_draft_tokens``; `merge_select`), or None.
+        factors: the rows' per-request correction the round was priced with
+            (`RequestCorrection.factors`: ``(scale float32[B, NUM_MEMBERS], under bool[B, NUM_MEMBERS])``),
+            or None (off, or a tree built another way); the update's metrics read it.
     """
 
     tree: DraftTree
@@ -183,6 +186,7 @@ class StepOutput:
     estimates: torch.Tensor
     groups: Optional[torch.Tensor] = None
     gain: Optional[torch.Tensor] = None
+    factors: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @staticmethod
     def from_tree(tree: DraftTree, seq_lens: torch.Tensor, estimates: Optional[torch.Tensor] = None
@@ -222,14 +226,16 @@ class StepOutput:
 
     @staticmethod
     def unpack(packed: torch.Tensor, seq_lens: torch.Tensor, estimates: torch.Tensor,
-               groups: Optional[torch.Tensor] = None) -> "StepOutput":
+               groups: Optional[torch.Tensor] = None,
+               factors: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> "StepOutput":
         """The `StepOutput` of a `pack`ed tree (layout recomputed from its parents and ``seq_lens``;
-        ``estimates`` and ``groups`` are this rank's own)."""
+        ``estimates``, ``groups`` and ``factors`` are this rank's own)."""
         logp = packed[..., 3].to(torch.int32).view(torch.float32)
         tree = DraftTree(packed[..., 0].contiguous(), packed[..., 1].contiguous(), logp,
                          packed[..., 2].contiguous())
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
-        return StepOutput(tree, packed[..., 4:].contiguous(), depth, positions, mask, first, nxt, estimates, groups)
+        return StepOutput(tree, packed[..., 4:].contiguous(), depth, positions, mask, first, nxt, estimates, groups,
+                          factors=factors)
 
     def expected_accept_at(self, widths: "tuple[int, ...]") -> torch.Tensor:
         """``float32[B, len(widths)]``: expected accept length (bonus included) of a tree of each
@@ -490,4 +496,5 @@ class GraftStep:
             agreement=((self.calibrator.layout.offset(MEMBER_AGREE), est_table,
                         _mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
-        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain)
+        return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain,
+                          factors)

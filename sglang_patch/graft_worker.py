@@ -247,7 +247,7 @@ class GraftDraftWorker(EagleDraftWorker):
         if group is not None:  # every rank verifies the first rank's tree (one broadcast)
             packed, gain = out.pack(), out.gain
             group.broadcast(packed, src=0)
-            out = StepOutput.unpack(packed, batch.seq_lens, out.estimates, out.groups)
+            out = StepOutput.unpack(packed, batch.seq_lens, out.estimates, out.groups, out.factors)
             out.gain = gain  # the budget's input: only the first rank's choice is used
         return _layout(out, batch, target_worker, tree_mask_mode, topk, num_steps)
 

@@ -12,6 +12,7 @@ from graft_spec.calibration import (MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSO
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.request_correction import RequestCorrection
+from graft_spec.step import StepOutput
 from test_core_step import dense_inputs
 
 
@@ -117,6 +118,12 @@ def test_planner_prices_a_failing_requests_lookup_lower(window):
         on_path = torch.zeros_like(lookup)
         on_path[:, 0] = True
         on_path[1] |= lookup[1]                            # slot 2 accepts its whole chain
+        if window > 0:  # the round carries the prices it was built with, through a TP broadcast too
+            for carried in (out.factors, StepOutput.unpack(out.pack(), torch.full((2,), 19), out.estimates,
+                                                           out.groups, out.factors).factors):
+                assert all(torch.equal(a, b) for a, b in zip(carried, planner.request_correction.factors(slots)))
+        else:
+            assert out.factors is None
         before = planner.calibrator.member_stats.clone()
         stats = planner.observe(out, on_path, None, torch.zeros(2, 6, dtype=torch.int64),
                                 torch.ones(2, dtype=torch.int64), slots)
