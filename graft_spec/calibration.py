@@ -54,15 +54,8 @@ bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the 
 rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
 recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
 for every source and mode by default (``calibration.source_window``, where the measurements are).
-Each request also corrects the retrieval sources by its own window (request_correction.py,
-``calibration.request_window``, the same map `linear_correction`), fitted to the bins' own
-estimates; the source correction is then fitted to, and applied after, the per-request corrected
-prices (`source_correct`), so that a source's trial-weighted mean price still follows its observed
-rate. The other order (the request windows fitted on top of the source-corrected table, the source
-window on the bins' estimates) left the quick pair's chat greedy sources under-priced: requests a
-source serves well run few rounds (long accepted chains) and their windows lift them little, while
-requests it fails run many rounds and are lowered fully, and nothing corrected the sum
-(docs/benchmark.md).
+On top of it each request corrects the retrieval sources by its own window
+(request_correction.py, ``calibration.request_window``), with the same map (`linear_correction`).
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
@@ -258,7 +251,6 @@ class Calibrator:
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
         self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
         self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
-        self._source: tuple[torch.Tensor, torch.Tensor] | None = None  # its source correction per (mode, member)
 
     def _source_groups(self) -> torch.Tensor:
         """``int64[size + 1]``: the (mode, member) row of `recent` every bin belongs to."""
@@ -363,24 +355,6 @@ class Calibrator:
         self._latest = self._source_corrected(est)
         return self._latest
 
-    def base_estimates(self) -> torch.Tensor:
-        """``float32[size + 1]``: the bin estimates behind the last `estimates` table, before the
-        source correction (computed now if there was none)."""
-        if self._base is None:
-            self.estimates()
-        return self._base
-
-    def source_correct(self, x: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
-        """Prices ``x`` (float32, shaped like ``bins``) of nodes in bins ``bins`` (int64, any shape)
-        through the source correction of the last `estimates` call, per bin's (mode, member): the
-        map `estimates` applies to the bins' own estimates, here applied to the per-request corrected
-        ones (module docstring, "Source correction"). Identity when the correction is off."""
-        if self._source is None:
-            return x
-        scale, under = self._source
-        g = self._group[bins]
-        return apply_correction(x, scale[g], under[g])
-
     def latest(self) -> torch.Tensor:
         """The table the last `estimates` call returned (computed now if there was none): for a
         round that prices nothing (a plain, width-1 round), which needs a table of the right shape
@@ -392,8 +366,7 @@ class Calibrator:
         if self.source_window <= 0:
             return base
         t, e, h = self.recent.unbind(1)
-        self._source = linear_correction(t, e, h, self.SOURCE_PSEUDO_TRIALS)
-        scale, under = self._source
+        scale, under = linear_correction(t, e, h, self.SOURCE_PSEUDO_TRIALS)
         return apply_correction(base, scale[self._group], under[self._group])
 
     # ------------------------------------------------------------------ updates
@@ -410,8 +383,7 @@ class Calibrator:
             estimates: the `estimates` table the round was built with.
             factors: the per-request correction the round was priced with
                 (`RequestCorrection.factors`: ``(float32[B, NUM_MEMBERS], bool[B, NUM_MEMBERS])``),
-                or None. The source correction's window and the metrics see the prices it gave
-                (the source correction applies after it); the bins learn from their own counts.
+                or None; only the metrics use it (the bins learn from their own counts).
         Returns:
             This round's metric increments (device tensors, also added to `member_stats` /
             `depth_stats`): ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) and
@@ -428,19 +400,16 @@ class Calibrator:
         scale = torch.where(self.trials > self.halve_at, 0.5, 1.0)
         self.trials.mul_(scale)
         self.hits.mul_(scale)
-        base = None
-        if self.source_window > 0 or factors is not None:
-            # what the source correction was applied to: the bins' own estimates, per-request corrected
+        if self.source_window > 0:  # the source correction's window, priced with the bins' own estimates
             base = (self._base if self._base is not None else estimates).gather(0, flat)
-            if factors is not None:
-                base = apply_correction(base.view_as(bins), factors[0][:, None, :], factors[1][:, None, :]).reshape(-1)
-        if self.source_window > 0:  # the source correction's window
             self.recent.index_add_(0, self._group[flat],
                                    torch.stack([valid.reshape(-1).float(), base * valid.reshape(-1), hit], dim=1))
             self.recent[-1].fill_(0.0)
             self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
-        # metrics: per member source and per depth (cumulative, never halved), at the prices the round used
-        est = (estimates.gather(0, flat) if factors is None else self.source_correct(base, flat)).view_as(bins)
+        # metrics: per member source and per depth (cumulative, never halved)
+        est = estimates.gather(0, flat).view_as(bins)
+        if factors is not None:  # the metrics compare what the round was priced with
+            est = apply_correction(est, factors[0][:, None, :], factors[1][:, None, :])
         est = est.double()
         v = valid.double()
         h = hit.view_as(bins).double()

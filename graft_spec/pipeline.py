@@ -360,7 +360,7 @@ class GraftPlanner:
             return RoundStats(tree.tokens[:, :0], torch.zeros_like(self.calibrator.member_stats),
                               torch.zeros_like(self.calibrator.depth_stats))
         members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates, out.factors)
-        self.request_correction.update(slot_ids, out.member_bins, on_path, self.calibrator.base_estimates())
+        self.request_correction.update(slot_ids, out.member_bins, on_path, out.estimates)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),

@@ -11,17 +11,17 @@ mean estimate leans high (measured on the shipped pair, issue-12 command: suffix
 binomial standard errors, and a 64-trial source window did not remove them).
 
 So every engine slot (the request it holds) keeps its own window per member source: trials ``T``,
-sum of its nodes' bin estimates ``E`` (the bins' own estimates: before this correction and before
-the source correction, which is fitted to and applied after this one, calibration.py) and hits
-``H``, halved beyond ``window`` trials and emptied when a new request takes the slot (`reset`). A round adds one trial per member that proposed verified nodes,
+sum of the estimates its nodes were priced with before this correction ``E`` (the bins' estimates
+after the source correction) and hits ``H``, halved beyond ``window`` trials and emptied when a new
+request takes the slot (`reset`). A round adds one trial per member that proposed verified nodes,
 its nodes' mean estimate and hit rate: a retrieved chain's nodes fail together (a rejected node
 rejects its subtree), so twenty nodes of one chain are one observation, not twenty (counted per
 node, one failed chain of a long lookup match moved the request's price as far as twenty
 independent misses would, and the sources ended under-priced: docs/benchmark.md).
 
-A retrieval node's bin estimate ``b`` (successor, suffix, corpus, lookup, outputs) is mapped through
-`calibration.linear_correction` of its slot's window (then through the source correction), with
-``pseudo_trials`` of calibrated data so that a request's first few rounds move it little. The map is monotone, so each source's ranking
+A retrieval node's estimate ``b`` (successor, suffix, corpus, lookup, outputs) is mapped through
+`calibration.linear_correction` of its slot's window, with ``pseudo_trials`` of calibrated data so
+that a request's first few rounds move it little. The map is monotone, so each source's ranking
 within the request is its bins'; the draft and agreement members are left as the bins price them
 (the stop gate's bounds on the draft frontier stay valid).
 
@@ -110,8 +110,7 @@ class RequestCorrection:
             slot_ids: ``int64[B]`` distinct slots of the rows.
             bins: ``int64[B, N, NUM_MEMBERS]`` member bins of the round's nodes (-1: not proposed).
             on_path: ``bool[B, N]`` accepted nodes.
-            estimates: the bins' own estimates the round was priced from (`Calibrator.base_estimates`:
-                before this correction and before the source correction, which applies after it).
+            estimates: the calibrator's table the round was priced with (before this correction).
         """
         if not self.enabled:
             return

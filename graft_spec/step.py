@@ -339,15 +339,12 @@ class GraftStep:
             key_n = torch.where(keep, math.inf, refill)
         return tokens, parents, key_n, est_n, valid_n, bins_n
 
-    def _price(self, est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:
-        """Prices of retrieval nodes in ``bins``: ``est_table[bins]`` without a per-request correction
-        (``factors`` None); else the bins' own estimates through the rows' per-request correction
-        (request_correction.py; ``member``: int or int64 broadcastable to ``bins``), then through
-        the source correction (`Calibrator.source_correct`; calibration.py, "Source correction")."""
-        if factors is None:
-            return est_table[bins]
-        cal = self.calibrator
-        return cal.source_correct(RequestCorrection.price(cal.base_estimates()[bins], member, factors), bins)
+    @staticmethod
+    def _price(est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:
+        """``est_table[bins]`` through the rows' per-request correction (request_correction.py;
+        ``member``: int or int64 broadcastable to ``bins``; ``factors`` None = none)."""
+        est = est_table[bins]
+        return est if factors is None else RequestCorrection.price(est, member, factors)
 
     def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
                         est_table: torch.Tensor, factors=None):
