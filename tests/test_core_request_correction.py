@@ -10,6 +10,7 @@ import torch
 from graft_spec.calibration import (MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSOR, MEMBER_SUFFIX, NUM_MEMBERS,
                                     apply_correction, linear_correction)
 from graft_spec.config import GraftConfig
+from graft_spec.graphs import _rows as graph_rows
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.request_correction import RequestCorrection
 from graft_spec.step import StepOutput
@@ -118,10 +119,12 @@ def test_planner_prices_a_failing_requests_lookup_lower(window):
         on_path = torch.zeros_like(lookup)
         on_path[:, 0] = True
         on_path[1] |= lookup[1]                            # slot 2 accepts its whole chain
-        if window > 0:  # the round carries the prices it was built with, through a TP broadcast too
+        if window > 0:  # the round carries the prices it was built with, through a TP broadcast and a graph replay too
             for carried in (out.factors, StepOutput.unpack(out.pack(), torch.full((2,), 19), out.estimates,
                                                            out.groups, out.factors).factors):
                 assert all(torch.equal(a, b) for a, b in zip(carried, planner.request_correction.factors(slots)))
+            replayed = graph_rows(out, 1).factors                # StepGraphs' clone of a replay's first rows
+            assert all(torch.equal(a, b[:1]) for a, b in zip(replayed, out.factors))
         else:
             assert out.factors is None
         before = planner.calibrator.member_stats.clone()
