@@ -54,6 +54,22 @@ bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the 
 rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
 recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
 for every source and mode by default (``calibration.source_window``, where the measurements are).
+
+**Short window.** A window of 256 trials is a few dozen rounds of a dense source (draft, lookup: 5-10
+verified nodes a round at batch 1) but several hundred of a sparse one (the suffix index: under one
+trial a round), so after a change of workload a sparse source keeps the old rate for most of a
+200-round run: on the shipped pair's issue-12 runs the suffix source's mean estimate sat between the
+previous prompt set's observed rate and its own (chat greedy after code: 0.391 estimated, 0.235
+observed, code's 0.466; chat sampled after code sampled: 0.313 / 0.429, code's 0.320), and a
+simulation of that lag alone (one source at 0.8 trials a round, chained hits, bins fixed) gives 0.387
+/ 0.235. A shorter window by trials is not the answer: with few trials it shrinks toward the bins'
+estimates (the pseudo-trials), which are the slow part. With ``calibration.source_half_life`` each
+(mode, member) keeps a second window, multiplied by ``0.5 ** (1 / half_life)`` every verified round
+(and halved beyond ``source_window`` trials), whose correction (`linear_correction`, with
+``source_short_pseudo_trials``) is fitted to and applied after the long window's: with few trials it
+stays at the long window's estimate instead of the bins', so it can be short. Simulated (2 pseudo-
+trials, half-life 16 rounds): the shift above 0.152 -> 0.034 off, a sparse source (0.18 trials a
+round) after a smaller shift 0.054 -> 0.021, no shift 0.011 -> 0.004.
 On top of it each request corrects the retrieval sources by its own window
 (request_correction.py, ``calibration.request_window``), with the same map (`linear_correction`).
 
@@ -199,6 +215,9 @@ class Calibrator:
         halve_at: a bin's counts are halved once its trials exceed this.
         source_window: trials per (mode, member source) over which the source correction is
             measured (halved beyond); 0 turns the correction off.
+        source_half_life: verified rounds after which the short window has halved (0: no short
+            window, the long one alone).
+        short_pseudo_trials: pseudo-trials of the short window's correction (> 0).
         device: where the tables live.
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
@@ -208,8 +227,11 @@ class Calibrator:
         depth_stats: ``float64[max_depth + 1, 2]`` cumulative (trials, hits) per node depth.
         recent: ``float32[2 * NUM_MEMBERS + 1, 3]`` the source correction's window (trials, sum of
             bin estimates, hits) per (mode, member); last row: dump.
+        recent_short: the same rows for the short window (trials, sum of the estimates after the
+            long window's correction, hits), or None without one.
     Raises:
-        ValueError: ``prior_weight <= 0`` or ``source_window < 0``.
+        ValueError: ``prior_weight <= 0``, ``source_window < 0``, ``source_half_life < 0`` or
+            ``short_pseudo_trials <= 0``.
     """
 
     #: Pseudo-trials of the source correction (module docstring).
@@ -217,12 +239,20 @@ class Calibrator:
 
     def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
                  halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu",
-                 source_window: float = 256.0):
+                 source_window: float = 256.0, source_half_life: float = 0.0,
+                 short_pseudo_trials: float = 2.0):
         if prior_weight <= 0:
             raise ValueError("Calibrator: prior_weight must be > 0")
         if source_window < 0:
             raise ValueError("Calibrator: source_window must be >= 0")
+        if source_half_life < 0:
+            raise ValueError("Calibrator: source_half_life must be >= 0")
+        if short_pseudo_trials <= 0:
+            raise ValueError("Calibrator: short_pseudo_trials must be > 0")
         self.source_window = float(source_window)
+        self.short_pseudo_trials = float(short_pseudo_trials)
+        #: the short window's factor per verified round (None: no short window)
+        self.round_decay = 0.5 ** (1.0 / source_half_life) if source_half_life > 0 and source_window > 0 else None
         self.layout, self.w, self.halve_at = layout, float(prior_weight), float(halve_at)
         self.device = torch.device(device)
         self.max_depth = max_depth
@@ -249,6 +279,8 @@ class Calibrator:
         self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
         self._group = self._source_groups()
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
+        self.recent_short = torch.zeros_like(self.recent) if self.round_decay is not None else None
+        self._long: torch.Tensor | None = None      # the long window's corrected table (short window's base)
         self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
         self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
 
@@ -367,7 +399,13 @@ class Calibrator:
             return base
         t, e, h = self.recent.unbind(1)
         scale, under = linear_correction(t, e, h, self.SOURCE_PSEUDO_TRIALS)
-        return apply_correction(base, scale[self._group], under[self._group])
+        long = apply_correction(base, scale[self._group], under[self._group])
+        if self.recent_short is None:
+            return long
+        self._long = long
+        t, e, h = self.recent_short.unbind(1)
+        scale, under = linear_correction(t, e, h, self.short_pseudo_trials)
+        return apply_correction(long, scale[self._group], under[self._group])
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
@@ -406,6 +444,12 @@ class Calibrator:
                                    torch.stack([valid.reshape(-1).float(), base * valid.reshape(-1), hit], dim=1))
             self.recent[-1].fill_(0.0)
             self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
+        if self.recent_short is not None:  # the short window, priced with the long window's estimates
+            long = (self._long if self._long is not None else estimates).gather(0, flat)
+            self.recent_short.index_add_(0, self._group[flat],
+                                         torch.stack([valid.reshape(-1).float(), long * valid.reshape(-1), hit], dim=1))
+            self.recent_short[-1].fill_(0.0)
+            self.recent_short.mul_(torch.where(self.recent_short[:, :1] > self.source_window, 0.5, self.round_decay))
         # metrics: per member source and per depth (cumulative, never halved)
         est = estimates.gather(0, flat).view_as(bins)
         if factors is not None:  # the metrics compare what the round was priced with

@@ -251,6 +251,18 @@ class CalibrationConfig(BaseModel):
             pair, chat, T 0.8, 12 prompts x 6 seeds, N 24 / 60): lookup 0.053 / 0.044 and
             0.049 / 0.028 without it, 0.027 / 0.045 and 0.020 / 0.022 with it, tau 1.581 /
             1.656 without, 1.579 / 1.648 with (seed noise).
+        source_half_life: the source correction's second, short window (calibration.py, "Source
+            correction"): verified rounds after which it has halved (it is multiplied by
+            ``0.5 ** (1 / source_half_life)`` every verified round, and halved beyond
+            ``source_window`` trials too), so a sparse source (the suffix index: under one trial a
+            round) follows a change of workload within a few dozen rounds instead of a few hundred;
+            0 = one window, by trials only (the default). Measured with the issue-12 command,
+            graft only, N 24 (docs/benchmark.md, "The suffix source's calibration miss"): on the
+            shipped pair suffix misses 3 -> 0 (32 rounds) per run, tau within a run's noise except
+            code greedy (4.68 -> 4.57); on the quick pair greedy tau fell 4-5% (code 6.35 -> 6.10,
+            chat 12.59 -> 12.00) with no fewer misses. So it stays off.
+        source_short_pseudo_trials: pseudo-trials that hold the short window's correction near the
+            long window's estimate while it has few trials (> 0).
         request_window: rounds per request and retrieval source (successor, suffix, corpus, lookup,
             outputs) over which that request's own correction of the source's estimates is measured
             (request_correction.py; a round is one trial); 0 = off. Measured: docs/benchmark.md
@@ -269,6 +281,8 @@ class CalibrationConfig(BaseModel):
     prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
     halve_at: float = Field(default=4096.0, ge=16.0)
     source_window: float = Field(default=256.0, ge=0.0)
+    source_half_life: float = Field(default=0.0, ge=0.0)
+    source_short_pseudo_trials: float = Field(default=2.0, gt=0.0, le=1e6)
     request_window: float = Field(default=64.0, ge=0.0)
     agreement: Optional[bool] = None
 

@@ -158,7 +158,9 @@ class GraftPlanner:
         prior = self.successor.slot_prior if self.successor else torch.zeros(0)
         self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, config.calibration.prior_weight,
                                      config.calibration.halve_at, max_depth=max(n, 64), device=self.device,
-                                     source_window=config.calibration.source_window)
+                                     source_window=config.calibration.source_window,
+                                     source_half_life=config.calibration.source_half_life,
+                                     short_pseudo_trials=config.calibration.source_short_pseudo_trials)
         #: per-request windows of the retrieval sources' acceptance (request_correction.py)
         self.request_correction = RequestCorrection(max_slots, config.calibration.request_window,
                                                     device=self.device)
