@@ -55,23 +55,22 @@ rate ``e``) keep a source with few trials at its bins' estimates. This is a one-
 recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
 for every source and mode by default (``calibration.source_window``, where the measurements are).
 
-**Short window.** A window of 256 trials is a few dozen rounds of a dense source (draft, lookup: 5-10
-verified nodes a round at batch 1) but several hundred of a sparse one (the suffix index: under one
-trial a round), so after a change of workload a sparse source keeps the old rate for most of a
-200-round run: on the shipped pair's issue-12 runs the suffix source's mean estimate sat between the
-previous prompt set's observed rate and its own (chat greedy after code: 0.391 estimated, 0.235
-observed, code's 0.466; chat sampled after code sampled: 0.313 / 0.429, code's 0.320), and a
-simulation of that lag alone (one source at 0.8 trials a round, chained hits, bins fixed) gives 0.387
-/ 0.235. A shorter window by trials is not the answer: with few trials it shrinks toward the bins'
-estimates (the pseudo-trials), which are the slow part. With ``calibration.source_half_life`` each
-(mode, member) keeps a second window, multiplied by ``0.5 ** (1 / half_life)`` every verified round
-(and halved beyond ``source_window`` trials), whose correction (`linear_correction`, with
-``source_short_pseudo_trials``) is fitted to and applied after the long window's: with few trials it
-stays at the long window's estimate instead of the bins', so it can be short. Simulated (2 pseudo-
-trials, half-life 16 rounds): the shift above 0.152 -> 0.034 off, a sparse source (0.18 trials a
-round) after a smaller shift 0.054 -> 0.021, no shift 0.011 -> 0.004.
-On top of it each request corrects the retrieval sources by its own window
-(request_correction.py, ``calibration.request_window``), with the same map (`linear_correction`).
+**Short window** (``calibration.source_half_life``, off by default). A window of 256 trials is a
+few dozen rounds of a dense source (draft, lookup: 5-10 verified nodes a round at batch 1) but
+several hundred of a sparse one (the suffix index: under one trial a round), so after a change of
+workload a sparse source keeps the old rate for most of a 200-round run: on the shipped pair's
+issue-12 runs the suffix source's mean estimate sat between the previous prompt set's observed rate
+and its own (chat greedy after code greedy: 0.391 estimated, 0.235 observed, code's 0.466), and
+``scripts/simulate_source_lag.py`` (this class, one source at 0.8 trials a round, chained hits)
+reproduces it (0.364 / 0.244). A shorter window by trials does not remove it (64 trials left the
+suffix 0.05-0.08 off, docs/benchmark.md): with few trials it shrinks toward the bins' estimates,
+which are the slow part. With a half-life each (mode, member)
+keeps a second window, multiplied by ``0.5 ** (1 / half_life)`` every verified round (and halved
+beyond ``source_window`` trials), whose correction (with ``source_short_pseudo_trials``) is fitted
+to and applied after the long window's, so with few trials it stays at the long window's estimate
+instead of the bins'. Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.
+On the benches it removed the shipped pair's suffix misses but cost greedy tau (docs/benchmark.md,
+"The suffix source's calibration miss"), so it is off.
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
