@@ -54,6 +54,8 @@ bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the 
 rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
 recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
 for every source and mode by default (``calibration.source_window``, where the measurements are).
+On top of it each request corrects the retrieval sources by its own window
+(request_correction.py, ``calibration.request_window``), with the same map (`linear_correction`).
 
 **Short window** (``calibration.source_half_life``, off by default). A window of 256 trials is a
 few dozen rounds of a dense source (draft, lookup: 5-10 verified nodes a round at batch 1) but
@@ -64,8 +66,7 @@ and its own (chat greedy after code greedy: 0.391 estimated, 0.235 observed, cod
 ``scripts/simulate_source_lag.py`` (this class, one source at 0.8 trials a round, chained hits)
 reproduces it (0.364 / 0.244). A shorter window by trials does not remove it (64 trials left the
 suffix 0.05-0.08 off, docs/benchmark.md): with few trials it shrinks toward the bins' estimates,
-which are the slow part. With a half-life each (mode, member)
-keeps a second window, multiplied by ``0.5 ** (1 / half_life)`` every verified round (and halved
+which are the slow part. With a half-life each (mode, member) keeps a second window, multiplied by ``0.5 ** (1 / half_life)`` every verified round (and halved
 beyond ``source_window`` trials), whose correction (with ``source_short_pseudo_trials``) is fitted
 to and applied after the long window's, so with few trials it stays at the long window's estimate
 instead of the bins'. Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.

@@ -251,8 +251,8 @@ class CalibrationConfig(BaseModel):
             pair, chat, T 0.8, 12 prompts x 6 seeds, N 24 / 60): lookup 0.053 / 0.044 and
             0.049 / 0.028 without it, 0.027 / 0.045 and 0.020 / 0.022 with it, tau 1.581 /
             1.656 without, 1.579 / 1.648 with (seed noise).
-        source_half_life: the source correction's second, short window (calibration.py, "Source
-            correction"): verified rounds after which it has halved (it is multiplied by
+        source_half_life: the source correction's second, short window (calibration.py, "Short
+            window"): verified rounds after which it has halved (it is multiplied by
             ``0.5 ** (1 / source_half_life)`` every verified round, and halved beyond
             ``source_window`` trials too), so a sparse source (the suffix index: under one trial a
             round) follows a change of workload within a few dozen rounds instead of a few hundred;
