@@ -66,9 +66,10 @@ and its own (chat greedy after code greedy: 0.391 estimated, 0.235 observed, cod
 ``scripts/simulate_source_lag.py`` (this class, one source at 0.8 trials a round, chained hits)
 reproduces it (0.364 / 0.244). A shorter window by trials does not remove it (64 trials left the
 suffix 0.05-0.08 off, docs/benchmark.md): with few trials it shrinks toward the bins' estimates,
-which are the slow part. With a half-life each (mode, member) keeps a second window, multiplied by ``0.5 ** (1 / half_life)`` every verified round (and halved
-beyond ``source_window`` trials), whose correction (with ``source_short_pseudo_trials``) is fitted
-to and applied after the long window's, so with few trials it stays at the long window's estimate
+which are the slow part. With a half-life each (mode, member) keeps a second window, multiplied
+by ``0.5 ** (1 / half_life)`` every verified round (and halved beyond ``source_window`` trials),
+whose correction (with ``source_short_pseudo_trials``) is fitted to and applied after the long
+window's, so with few trials it stays at the long window's estimate
 instead of the bins'. Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.
 On the benches it removed the shipped pair's suffix misses but cost greedy tau (docs/benchmark.md,
 "The suffix source's calibration miss"), so it is off.
