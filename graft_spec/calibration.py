@@ -69,8 +69,8 @@ suffix 0.05-0.08 off, docs/benchmark.md): with few trials it shrinks toward the 
 which are the slow part. With a half-life each (mode, member) keeps a second window, multiplied
 by ``0.5 ** (1 / half_life)`` every verified round (and halved beyond ``source_window`` trials),
 whose correction (with ``source_short_pseudo_trials``) is fitted to and applied after the long
-window's, so with few trials it stays at the long window's estimate
-instead of the bins'. Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.
+window's, so with few trials it stays at the long window's estimate instead of the bins'.
+Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.
 On the benches it removed the shipped pair's suffix misses but cost greedy tau (docs/benchmark.md,
 "The suffix source's calibration miss"), so it is off.
 
@@ -398,15 +398,26 @@ class Calibrator:
         """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""
         if self.source_window <= 0:
             return base
-        t, e, h = self.recent.unbind(1)
-        scale, under = linear_correction(t, e, h, self.SOURCE_PSEUDO_TRIALS)
-        long = apply_correction(base, scale[self._group], under[self._group])
+        long = self._corrected_by(self.recent, base, self.SOURCE_PSEUDO_TRIALS)
         if self.recent_short is None:
             return long
         self._long = long
-        t, e, h = self.recent_short.unbind(1)
-        scale, under = linear_correction(t, e, h, self.short_pseudo_trials)
-        return apply_correction(long, scale[self._group], under[self._group])
+        return self._corrected_by(self.recent_short, long, self.short_pseudo_trials)
+
+    def _corrected_by(self, window: torch.Tensor, table: torch.Tensor, pseudo_trials: float) -> torch.Tensor:
+        """``table`` ``float32[size + 1]`` through the `linear_correction` of a source window
+        (`recent` or `recent_short`), each bin by its (mode, member) row."""
+        scale, under = linear_correction(*window.unbind(1), pseudo_trials)
+        return apply_correction(table, scale[self._group], under[self._group])
+
+    def _credit_window(self, window: torch.Tensor, priced: torch.Tensor, rows: torch.Tensor,
+                       valid: torch.Tensor, hit: torch.Tensor, decay: float) -> None:
+        """Add one round to a source window in place: per node ``(valid, priced * valid, hit)`` into
+        its (mode, member) row ``rows``, the dump row emptied, then the window halved where it holds
+        over ``source_window`` trials and multiplied by ``decay`` elsewhere."""
+        window.index_add_(0, rows, torch.stack([valid, priced * valid, hit], dim=1))
+        window[-1].fill_(0.0)
+        window.mul_(torch.where(window[:, :1] > self.source_window, 0.5, decay))
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
@@ -440,17 +451,12 @@ class Calibrator:
         self.trials.mul_(scale)
         self.hits.mul_(scale)
         if self.source_window > 0:  # the source correction's window, priced with the bins' own estimates
+            rows, v = self._group[flat], valid.reshape(-1).float()
             base = (self._base if self._base is not None else estimates).gather(0, flat)
-            self.recent.index_add_(0, self._group[flat],
-                                   torch.stack([valid.reshape(-1).float(), base * valid.reshape(-1), hit], dim=1))
-            self.recent[-1].fill_(0.0)
-            self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
-        if self.recent_short is not None:  # the short window, priced with the long window's estimates
-            long = (self._long if self._long is not None else estimates).gather(0, flat)
-            self.recent_short.index_add_(0, self._group[flat],
-                                         torch.stack([valid.reshape(-1).float(), long * valid.reshape(-1), hit], dim=1))
-            self.recent_short[-1].fill_(0.0)
-            self.recent_short.mul_(torch.where(self.recent_short[:, :1] > self.source_window, 0.5, self.round_decay))
+            self._credit_window(self.recent, base, rows, v, hit, 1.0)
+            if self.recent_short is not None:  # the short window, priced with the long window's estimates
+                long = (self._long if self._long is not None else estimates).gather(0, flat)
+                self._credit_window(self.recent_short, long, rows, v, hit, self.round_decay)
         # metrics: per member source and per depth (cumulative, never halved)
         est = estimates.gather(0, flat).view_as(bins)
         if factors is not None:  # the metrics compare what the round was priced with

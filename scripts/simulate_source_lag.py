@@ -9,8 +9,9 @@ calibration check reads per run. Each ``--half-life`` is one variant (0: the lon
 
     python scripts/simulate_source_lag.py --half-life 0 16 --json bench_out/source_lag.json
 
-Output: JSON list, one object per variant: ``half_life``, ``estimated``, ``observed``, ``miss``
-(mean over repetitions) and ``miss_sd`` (its standard deviation over repetitions).
+Output: one JSON line per variant on stdout, and with ``--json`` a file ``{"args", "variants"}``
+holding the same objects: ``half_life``, ``estimated``, ``observed``, ``miss`` (mean over
+repetitions) and ``miss_sd`` (its standard deviation over repetitions).
 """
 
 from __future__ import annotations
