@@ -7,17 +7,19 @@ because estimates never increase as q falls (calibration.py), its estimate is at
 
     bound_d = max over depths d' > d of est(draft, d', bin(q*_d))
 
-The retrieved candidates alone already fill the N - 1 slots down to their (N-1)-th best estimate;
-per source those are distinct paths, so ``floor = max over sources of the (N-1)-th best estimate
-of that source`` never exceeds the final selection threshold (`retrieval_floor`). When
+The retrieved candidates alone already fill the round's n - 1 slots (n its verify width: N, or a
+narrower width of the batch budget) down to their (n-1)-th best estimate; per source those are
+distinct paths, so ``floor = max over sources of the (n-1)-th best estimate of that source`` never
+exceeds the final selection threshold (`retrieval_floor`). When
 ``bound_d < floor`` for every request of the batch, no further draft node could be selected: the
 remaining forwards are skipped (paper Sec. 3.1, "draft less"), and the never-drafted nodes get
 probability 0, so the step selects exactly what it would have selected from the full tree.
 
 The decision needs one host read per depth, so it exists only in eager execution; a CUDA-graph
 replay always drafts the full depth (the graph has no host control flow) and the step prices the
-full tree. The inputs (estimates, retrieval candidates) are the step's own, so every rank that builds
-the same step inputs takes the same decision.
+full tree. The inputs (estimates, retrieval candidates) are the step's own, computed once for the
+gate and the build (`GraftPlanner.stop_gate`), so every rank that builds the same step inputs takes
+the same decision.
 """
 
 from __future__ import annotations
@@ -68,12 +70,15 @@ class ExpectedGainGate:
         sampled: ``bool[B]`` rows in sampled mode.
     Attributes:
         stop_depth: depth after which drafting stopped (None while drafting goes on).
+        retrieved: what the floor was computed from (`GraftPlanner.stop_gate` sets a
+            `RoundRetrieval`; the round's build reuses it), or None.
     """
 
     def __init__(self, calibrator: Calibrator, bounds: torch.Tensor, floor: torch.Tensor, sampled: torch.Tensor):
         self.calibrator, self.bounds, self.floor = calibrator, bounds, floor
         self.mode = sampled.to(torch.int64)
         self.stop_depth: int | None = None
+        self.retrieved = None
         #: applied to the local decision (0-dim bool tensor) before it is read: an engine with
         #: several ranks replaces it by a broadcast from its first rank, so that every rank runs the
         #: same number of draft forwards (their collectives must match)

@@ -397,32 +397,38 @@ class GraftStep:
         est = torch.where(valid, self._price(est_table, bins, host.member.clamp(0, NUM_MEMBERS - 1), factors), 0.0)
         return host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member
 
-    def retrieval_floor(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor,
-                        count: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
-                        est_table: torch.Tensor, factors=None) -> torch.Tensor:
-        """``float32[B]``: a lower bound of the round's selection threshold from the retrieved
-        candidates alone (max over sources of their (N-1)-th best estimate; gate.py). +inf when draft
-        nodes are disabled (nothing to draft for). Groups are the retrieval members, numbered from
-        the successor (the draft member has none)."""
-        b, dev = roots.shape[0], roots.device
-        est, valid = [torch.zeros(b, 0, device=dev)], [torch.zeros(b, 0, dtype=torch.bool, device=dev)]
-        member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)]
+    def retrieve(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
+                 seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
+                 factors=None) -> list:
+        """The round's retrieved candidates, priced: one ``(tokens, parents, est, valid, bins,
+        member)`` tuple of ``[B, C_i]`` tensors per enabled source, in tree order (successor, lookup,
+        outputs, host). ``parents`` index within the source's own candidates (-1 = the root).
+
+        They do not depend on the step's width (every width prices the same N-wide pool), so the
+        eager stop gate and the build of a round compute them once (`GraftPlanner.stop_gate`,
+        ``retrieved`` of `__call__`). Arguments as for `__call__`."""
+        parts = []
         if self.successor is not None:
-            _, _, e, v, _ = self._successor_part(roots, host.group, sampled, est_table, factors)
-            est.append(e)
-            valid.append(v)
-            member.append(torch.full_like(e, MEMBER_SUCCESSOR, dtype=torch.int64))
-        parts = []                                       # (tokens, parents, est, valid, bins, member)
+            tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table, factors)
+            parts.append((tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR)))
         if self.config.retrieval.lookup:
             parts.append(self._lookup_part(hist, count, sampled, est_table, factors))
         if self.outputs is not None:
             parts.append(self._outputs_part(hist, count, host.group, sampled, est_table, factors))
         if host.width > 0:
             parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table, factors))
-        for _, _, e, v, _, m in parts:
-            est.append(e)
-            valid.append(v)
-            member.append(m)
+        return parts
+
+    def retrieval_floor(self, roots: torch.Tensor, parts: list) -> torch.Tensor:
+        """``float32[B]``: a lower bound of the round's selection threshold at this step's width from
+        the retrieved candidates alone (`retrieve`'s ``parts`` for ``roots`` ``int64[B]``): the max
+        over sources of their (n-1)-th best estimate (gate.py; 0 without candidates). +inf when
+        draft nodes are disabled (nothing to draft for). Groups are the retrieval members, numbered
+        from the successor (the draft member has none)."""
+        b, dev = roots.shape[0], roots.device
+        est = [torch.zeros(b, 0, device=dev)] + [p[2] for p in parts]
+        valid = [torch.zeros(b, 0, dtype=torch.bool, device=dev)] + [p[3] for p in parts]
+        member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)] + [p[5] for p in parts]
         group = (torch.cat(member, 1) - MEMBER_SUCCESSOR).clamp(min=0)
         floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), group, MEMBER_OUTPUTS - MEMBER_SUCCESSOR + 1,
                          self.n - 1)
@@ -433,7 +439,8 @@ class GraftStep:
     # ------------------------------------------------------------------ the step
     def __call__(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
                  hist: torch.Tensor, count: torch.Tensor, seq_lens: torch.Tensor,
-                 sampled: torch.Tensor, est_table: torch.Tensor, factors=None) -> StepOutput:
+                 sampled: torch.Tensor, est_table: torch.Tensor, factors=None,
+                 retrieved: Optional[list] = None) -> StepOutput:
         """Build one round's hybrid tree and its verify layout.
 
         Args:
@@ -449,6 +456,8 @@ class GraftStep:
             est_table: ``Calibrator.estimates()``.
             factors: the rows' per-request correction of the retrieval sources
                 (`RequestCorrection.factors`), or None.
+            retrieved: `retrieve`'s parts of these same inputs when already computed (the eager
+                stop gate's), else None (computed here).
         Returns:
             `StepOutput` of width ``num_nodes`` (default ``config.num_draft_tokens``), with the gain
             curve over the full pool.
@@ -476,17 +485,10 @@ class GraftStep:
             parts_bins.append(bins)
             offset += tok.shape[1]
 
-        if self.successor is not None:
-            tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table, factors)
-            add(tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR))
-        if self.config.retrieval.lookup:
-            add(*self._lookup_part(hist, count, sampled, est_table, factors))
-        if self.outputs is not None:
-            add(*self._outputs_part(hist, count, host.group, sampled, est_table, factors))
-        if host.width > 0:
-            tok, par, est, valid, bins, member = self._host_part(host, hist, count, seq_lens, sampled, est_table,
-                                                                 factors)
-            add(tok, par, est, valid, bins, member)
+        if retrieved is None:
+            retrieved = self.retrieve(roots, host, hist, count, seq_lens, sampled, est_table, factors)
+        for part in retrieved:
+            add(*part)
 
         valid = torch.cat(parts_valid, 1) & host.speculate[:, None]               # per-request opt-out
         tree, member_bins, gain = merge_select(

@@ -17,6 +17,8 @@ Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.
 3. **Graft step** — `GraftDraftWorker.draft` rebinds ``build_eagle_verify_input`` (:717) to
    `GraftDraftWorker._build_verify_input`, which runs ``GraftPlanner.build`` (graft_spec/step.py: one
    pure device function, static shapes, no host read) and lays the tree out as a `GraftVerifyInput`.
+   In eager drafting with the expected-gain gate the retrieved candidates were priced before
+   drafting (the gate's floor) and the build reuses them (``RoundRetrieval``).
 4. **Verify** — SGLang's ``run_eagle_verify`` (greedy, or target-only tree sampling; the CPU layer
    routes both to ``graft_spec.verify``). `GraftWorker.verify` then runs the device bookkeeping
    (``GraftPlanner.observe``: calibration counts, successor table, commit log) and attaches a
@@ -231,7 +233,8 @@ class GraftDraftWorker(EagleDraftWorker):
         if sink is None or sink.scores.shape[0] < bs:
             # Rows [:bs] are written by the eager call or by the graph replay (padded bs >= bs).
             raise RuntimeError(f"graft: the dense draft tree of batch size {bs} was not captured")
-        host = self._host if self._host is not None else self.graft.host_candidates(batch)
+        gated = self._host is not None   # the expected-gain gate computed this round's retrieval before drafting
+        host = self._host if gated else self.graft.host_candidates(batch)
         scores = sink.scores[:bs]
         if self._depth_limit is not None:  # nodes deeper than the stop depth were never drafted
             s_keep = topk + (self._depth_limit - 1) * topk * topk
@@ -239,10 +242,17 @@ class GraftDraftWorker(EagleDraftWorker):
         draft = dense_draft_candidates(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         self.graft._slots()
-        host, draft = self.graft.inject_fault(host, draft)
-        build = self.graft.step_graphs.build if self.graft.step_graphs is not None else self.graft.planner.build
-        out = build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, self.graft.sampled_rows(batch),
-                    num_nodes=num_draft_tokens)
+        retrieved = self._gate.retrieved if gated else None   # priced by the gate before drafting
+        injected, draft = self.graft.inject_fault(host, draft)
+        if injected is not host:   # fault injection scrambled this rank's host proposals: price them anew
+            host, retrieved = injected, None
+        sampled = self.graft.sampled_rows(batch)
+        if self.graft.step_graphs is not None:
+            out = self.graft.step_graphs.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
+                                               num_nodes=num_draft_tokens)
+        else:
+            out = self.graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
+                                           num_nodes=num_draft_tokens, retrieved=retrieved)
         group = self.graft.tp_group()
         if group is not None:  # every rank verifies the first rank's tree (one broadcast)
             packed, gain = out.pack(), out.gain
@@ -415,7 +425,8 @@ class GraftWorker(EAGLEWorkerV2):
         """``(gate, host)`` for a round drafted eagerly: the stop gate (None when disabled, or for a
         sampled batch under checkpoints with rejection sampling) and, with the expected-gain gate, the
         host proposals, prepared here because the gate needs them before drafting (else None: they
-        are prepared after the draft was launched)."""
+        are prepared after the draft was launched). The expected-gain gate's floor is taken at the
+        round's verify width, and its ``retrieved`` candidates are reused by the round's build."""
         cfg = self.config
         if not cfg.stop_drafting_early:
             return None, None
@@ -430,7 +441,7 @@ class GraftWorker(EAGLEWorkerV2):
         host = self.host_candidates(batch)
         roots = batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64)
         gate = self.planner.stop_gate(roots, host, batch.req_pool_indices, batch.seq_lens,
-                                      self.sampled_rows(batch))
+                                      self.sampled_rows(batch), num_nodes=self.speculative_num_draft_tokens)
         if self.tp_group() is not None:
             gate.agree = self._agree
         return gate, host

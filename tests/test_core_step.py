@@ -414,10 +414,12 @@ def test_observe_updates_device_state_and_reports_path_sources():
 
 # ----------------------------------------------------------------------------- stop gate
 
-@pytest.mark.parametrize("seed", range(6))
-def test_gate_stop_keeps_the_selection(seed):
+@pytest.mark.parametrize("seed,width", [(s, 10) for s in range(6)] + [(s, 5) for s in range(3)])
+def test_gate_stop_keeps_the_selection(seed, width):
     """When the gate stops drafting after depth d, the tree built from the truncated draft (deeper
-    scores 0) equals the tree built from the full draft."""
+    scores 0) equals the tree built from the full draft, at the full width and at a narrower verify
+    width (whose floor, the (width-1)-th best, is at least the full width's); with the gate's
+    retrieved candidates reused or not."""
     topk, steps, n, vocab = 3, 5, 10, 40
     cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, retrieval={"max_candidates": 16})
     planner = GraftPlanner(cfg, vocab, max_slots=4)
@@ -437,8 +439,9 @@ def test_gate_stop_keeps_the_selection(seed):
                                                     torch.full((1, 16), 40), torch.tensor([False]))
     planner.calibrator.hits[suffix_bins.flatten()] = 1000.0
     planner.calibrator.trials[suffix_bins.flatten()] = 1000.0
-    gate = planner.stop_gate(roots, host, slots, seq, sampled)
+    gate = planner.stop_gate(roots, host, slots, seq, sampled, num_nodes=width)
     assert gate.floor.min() > 0.9
+    assert (gate.floor >= planner.stop_gate(roots, host, slots, seq, sampled).floor).all()
     q = draft.logq.exp()
     bounds = [0, topk] + [topk + i * topk * topk for i in range(1, steps)]
     for d in range(1, steps + 1):
@@ -446,10 +449,62 @@ def test_gate_stop_keeps_the_selection(seed):
             break
     assert gate.stop_depth == 1
     keep = topk + (gate.stop_depth - 1) * topk * topk
-    full = planner.build(draft, roots, host, slots, seq, sampled)
+    full = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
     draft.logq = torch.where(torch.arange(draft.logq.shape[1]) < keep, draft.logq, -math.inf)
-    cut = planner.build(draft, roots, host, slots, seq, sampled)
-    assert torch.equal(full.tree.tokens, cut.tree.tokens) and torch.equal(full.tree.parents, cut.tree.parents)
+    for retrieved in (None, gate.retrieved):
+        cut = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width, retrieved=retrieved)
+        assert torch.equal(full.tree.tokens, cut.tree.tokens) and torch.equal(full.tree.parents, cut.tree.parents)
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the torch ops dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_build_reuses_the_gate_retrieval(seed):
+    """A build given the stop gate's `RoundRetrieval` returns the same tree, bins, estimates and gain
+    curve as one that computes its own, on warmed state (every retrieval source, per-request
+    correction on, greedy and sampled rows, full and narrower widths), in fewer ops."""
+    topk, steps, n, vocab, b = 3, 4, 12, 32, 4
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, batch_budget={"widths": [1, 6, n]},
+                      retrieval={"max_candidates": 16})
+    planner = GraftPlanner(cfg, vocab, max_slots=b)
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.arange(b)
+    planner.reset_slots(slots, torch.randint(0, 6, (b, 40), generator=gen), torch.full((b,), 40))
+    for _ in range(6):   # warm the calibrator, successor table, history and per-request windows
+        draft, roots, host, _, seq, sampled = dense_inputs(b, topk, steps, vocab, 16, "cpu", gen)
+        out = planner.build(draft, roots, host, slots, seq, sampled)
+        on_path = torch.zeros(b, n, dtype=torch.bool)
+        on_path[:, 0] = True
+        on_path[:, 1] = torch.rand(b, generator=gen) < 0.5
+        committed = out.tree.tokens[:, :3]
+        planner.observe(out, on_path, torch.randint(0, vocab, (b, n, planner.successor.k), generator=gen),
+                        committed, 1 + on_path[:, 1].long(), slots)
+    draft, roots, host, _, seq, sampled = dense_inputs(b, topk, steps, vocab, 16, "cpu", gen)
+    for width in (n, 6):
+        gate = planner.stop_gate(roots, host, slots, seq, sampled, num_nodes=width)
+        assert len(gate.retrieved.parts) == 4 and gate.retrieved.factors is not None   # every source, corrected
+        own = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
+        with _OpCount() as reused_ops:
+            reused = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width,
+                                   retrieved=gate.retrieved)
+        with _OpCount() as own_ops:
+            planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
+        for a, r in ((own.tree.tokens, reused.tree.tokens), (own.tree.parents, reused.tree.parents),
+                     (own.tree.source, reused.tree.source), (own.tree.logp, reused.tree.logp),
+                     (own.member_bins, reused.member_bins), (own.gain, reused.gain)):
+            assert torch.equal(a, r)
+        assert (own.tree.source[:, 1:] == SOURCE_RETRIEVED).any()   # retrieved nodes were grafted
+        assert reused_ops.ops < own_ops.ops
 
 
 # ----------------------------------------------------------------------------- simulated decoding
