@@ -23,6 +23,19 @@ def test_step_bench_writes_graft_and_eagle_rows(tmp_path):
     assert {(r["batch"], r["num_draft_tokens"]) for r in data["ratios"]} == {(1, 24), (3, 24)}
 
 
+def test_step_bench_eager_gate_rows(tmp_path):
+    """``--eager-gate``: the gated round with the gate's retrieval shared runs fewer ops than with the
+    build pricing it again, with no host read either way."""
+    out = tmp_path / "step.json"
+    assert bench_step.main(["--json", str(out), "--batches", "2", "--nodes", "24", "--rounds", "2",
+                            "--vocab", "2000", "--eager-gate"]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    shared, unshared = rows["graft_eager_gated"], rows["graft_eager_gated_unshared"]
+    assert shared["syncs_per_round"] == 0 and unshared["syncs_per_round"] == 0
+    assert shared["ops_per_round"] < unshared["ops_per_round"]
+    assert shared["ops_per_round"] > rows["graft"]["ops_per_round"]   # the gate's own work remains
+
+
 def test_op_counter_counts_kernels_and_syncs():
     x = torch.arange(6).reshape(2, 3)
     with bench_step.OpCounter() as c:

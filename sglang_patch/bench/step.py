@@ -17,13 +17,16 @@ data-dependent shapes: ``_local_scalar_dense``, ``nonzero``, ``lift_fresh``, cro
 CPU it includes the compute). Graft rows add the host-side work that runs off the critical path
 (``host_side_us_per_round``: suffix index proposals + buffer fill, overlapped with drafting on a GPU)
 and the device bookkeeping after verify (``observe_ops_per_round``, ``observe_syncs_per_round``).
-``--inductor`` adds ``graft_inductor`` rows: the step compiled by ``torch.compile(fullgraph=True)``
+``--eager-gate`` adds the eager gated round (no CUDA graphs, the default expected-gain stop gate):
+``graft_eager_gated`` = ``GraftPlanner.stop_gate`` + ``build`` reusing the gate's retrieved
+candidates (what the SGLang worker runs), ``graft_eager_gated_unshared`` = the same with ``build``
+pricing them again (the eager round before the two shared them). ``--inductor`` adds ``graft_inductor`` rows: the step compiled by ``torch.compile(fullgraph=True)``
 (inductor's C++ backend here, its Triton backend on a GPU), ``ops_per_round`` = the kernels inductor
 generated for it (its syncs are 0 by construction: a fullgraph compile has no host read).
 
 Usage::
 
-    python -m sglang_patch.bench.step --json bench_out/step.json [--batches 1,16,64] [--nodes 24,60]
+    python -m sglang_patch.bench.step --json bench_out/step.json [--batches 1,16,64] [--nodes 24,60] [--eager-gate]
 """
 
 from __future__ import annotations
@@ -175,7 +178,8 @@ def _load_sglang() -> None:
     load_plugins()
 
 
-def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, seed: int = 0) -> list[dict]:
+def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, seed: int = 0,
+                eager_gate: bool = False) -> list[dict]:
     planner, streams, rids, ctx, topk, depth, rng, gen = workload(batch, n, vocab, seed)
     roots = torch.tensor([planner.retriever.sources[0]._tries[r].hist[-1] for r in rids])
     slots = torch.arange(batch)
@@ -183,7 +187,8 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
     compiled, kernels = None, 0
     if inductor:
         compiled = torch.compile(lambda *a: planner.step(*a), fullgraph=True, dynamic=False)
-    rows = {m: {"ops": [], "syncs": [], "t": []} for m in ("graft", "eagle", "graft_inductor")}
+    rows = {m: {"ops": [], "syncs": [], "t": []}
+            for m in ("graft", "eagle", "graft_inductor", "graft_eager_gated", "graft_eager_gated_unshared")}
     host_t, obs_ops, obs_syncs = [], [], []
     warm = 3
     for it in range(rounds + warm):
@@ -211,6 +216,24 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
         t5 = time.perf_counter()
         with OpCounter() as ce:
             _eagle_build(sl, tl, pl, roots, seq, n, topk, depth, ce)
+        if eager_gate:
+            draft = dense_draft_candidates(scores, tokens, plist, topk, depth)
+
+            def gated(shared: bool):
+                gate = planner.stop_gate(roots, host, slots, seq, sampled)
+                return planner.build(draft, roots, host, slots, seq, sampled,
+                                     retrieved=gate.retrieved if shared else None)
+
+            for method, shared in (("graft_eager_gated", True), ("graft_eager_gated_unshared", False)):
+                tg = time.perf_counter()
+                gated(shared)
+                tg = time.perf_counter() - tg
+                with OpCounter() as cg:
+                    gated(shared)
+                if it >= warm:
+                    rows[method]["ops"].append(cg.ops)
+                    rows[method]["syncs"].append(cg.syncs)
+                    rows[method]["t"].append(tg)
         if compiled is not None:
             est = planner.calibrator.estimates()
             prev = planner.history.gather(slots)
@@ -293,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=151936, help="Qwen3 vocabulary size by default")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
     ap.add_argument("--inductor", action="store_true", help="also time the step compiled by torch.compile")
+    ap.add_argument("--eager-gate", action="store_true",
+                    help="also count and time the eager gated round (stop gate + build), shared and unshared")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -300,7 +325,7 @@ def main(argv=None) -> int:
     rows = []
     for n in [int(x) for x in args.nodes.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
-            for row in bench_shape(b, n, args.rounds, args.vocab, args.inductor):
+            for row in bench_shape(b, n, args.rounds, args.vocab, args.inductor, eager_gate=args.eager_gate):
                 rows.append(row)
                 print(json.dumps(row))
     payload = {
