@@ -19,6 +19,7 @@ from graft_spec.step import dense_draft_candidates, reanchor
 from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, eagle_step,
                              has_duplicate_siblings, validate_parents)
 from graft_spec.verify import greedy_verify
+from sglang_patch.bench.step import OpCounter
 
 #: aten ops that read device data on the host, copy between devices, or have data-dependent shapes
 HOST_OPS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "lift_fresh", "_to_copy",
@@ -456,18 +457,6 @@ def test_gate_stop_keeps_the_selection(seed, width):
         assert torch.equal(full.tree.tokens, cut.tree.tokens) and torch.equal(full.tree.parents, cut.tree.parents)
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts the torch ops dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_build_reuses_the_gate_retrieval(seed):
     """A build given the stop gate's `RoundRetrieval` returns the same tree, bins, estimates and gain
@@ -494,10 +483,10 @@ def test_build_reuses_the_gate_retrieval(seed):
         gate = planner.stop_gate(roots, host, slots, seq, sampled, num_nodes=width)
         assert len(gate.retrieved.parts) == 4 and gate.retrieved.factors is not None   # every source, corrected
         own = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
-        with _OpCount() as reused_ops:
+        with OpCounter() as reused_ops:
             reused = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width,
                                    retrieved=gate.retrieved)
-        with _OpCount() as own_ops:
+        with OpCounter() as own_ops:
             planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
         for a, r in ((own.tree.tokens, reused.tree.tokens), (own.tree.parents, reused.tree.parents),
                      (own.tree.source, reused.tree.source), (own.tree.logp, reused.tree.logp),
