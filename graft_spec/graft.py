@@ -245,8 +245,9 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     gkey = path_min(gkey, cpar)
     if policy.exclusive_siblings != "never":  # siblings share their parent's mass (`sibling_caps`)
         cap = sibling_caps(gest, gkey, cpar, gkey > -math.inf)
-        capped_est = path_min(torch.minimum(gest.float(), cap), cpar)
-        capped_key = path_min(torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap)), cpar)
+        capped_est, capped_key = path_min(torch.stack([torch.minimum(gest.float(), cap),
+                                                       torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap))]),
+                                          cpar).unbind(0)
         if policy.exclusive_siblings == "greedy" and sampled is not None:  # sampled rows keep theirs
             capped_est = torch.where(sampled.reshape(b, 1), gest.float(), capped_est)
             capped_key = torch.where(sampled.reshape(b, 1), gkey, capped_key)

@@ -136,13 +136,16 @@ def reanchor(host: HostCandidates, hist: torch.Tensor, count: torch.Tensor, seq_
     want = hist.gather(1, src.clamp(0, length - 1))
     consumed = depth <= gap[:, None]
     match_here = torch.where(consumed, host.tokens == want, True)
-    one = torch.ones(b, 1, device=dev)
-    path_ok = path_min(torch.cat([one, match_here.float()], 1), full)[:, 1:] > 0.5
+    inf = torch.full((), math.inf, device=dev)
+    # one pointer jumping for both: is every consumed token on the path matched, and the consumed
+    # prefix's path log-probability (the root column: 1 and +inf, neutral for the minimum)
+    lead = torch.stack([torch.ones(b, 1, device=dev), inf.expand(b, 1)])
+    ok_base = path_min(torch.cat([lead, torch.stack([match_here.float(),
+                                                     torch.where(consumed, host.logp.float(), inf)])], 2), full)
+    path_ok, base = ok_base[0, :, 1:] > 0.5, ok_base[1, :, 1:]
     valid = (host.member >= 0) & path_ok & ~consumed & ok_gap[:, None]
     par_depth = depth.gather(1, par.clamp(min=0))
     new_par = torch.where((par >= 0) & (par_depth > gap[:, None]), par, -1)
-    inf = torch.full((), math.inf, device=dev)
-    base = path_min(torch.cat([inf.expand(b, 1), torch.where(consumed, host.logp, inf)], 1), full)[:, 1:]
     logp = host.logp - torch.where(torch.isinf(base), 0.0, base)
     return new_par, depth - gap[:, None], logp.clamp(max=0.0), host.match + gap[:, None], valid
 
@@ -357,38 +360,38 @@ class GraftStep:
         parents = succ.t_parent.expand(b, t)
         return tokens, parents, est, valid, torch.where(valid, bins, -1)
 
-    def _chain_part(self, tokens: torch.Tensor, valid: torch.Tensor, match: torch.Tensor, member: int,
-                    sampled: torch.Tensor, est_table: torch.Tensor, factors=None):
-        """Candidates of C device chains ``tokens``/``valid`` ``[B, C, D]`` (node t of a chain at depth
-        t + 1) matched on ``match`` ``[B, C]`` tail tokens, priced by depth and match length."""
+    def _chain_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
+                    est_table: torch.Tensor, factors=None):
+        """The device chain sources' candidates, priced by depth and match length in one pass: the
+        lookup's chain (retrieval/lookup.py) then the output index's two (retrieval/output_ring.py, on
+        the rows ``retrieval.outputs`` gives them to; default greedy), each ``D = pool - 1`` deep,
+        node t of a chain at depth t + 1. None when both sources are off."""
+        chains = []                                                  # (tokens, valid, match [B, C(, D)], member)
+        if self.config.retrieval.lookup:
+            tok, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, self.pool - 1)
+            chains.append((tok[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP))
+        if self.outputs is not None:
+            tok, valid, match = self.outputs.propose(hist, count, groups)
+            rows = _mode_rows(self.config.retrieval.outputs_modes, sampled)
+            if rows is not None:
+                valid = valid & rows[:, None, None]
+            chains.append((tok, valid, match, MEMBER_OUTPUTS))
+        if not chains:
+            return None
+        tokens = torch.cat([ch[0] for ch in chains], 1)
         b, c, d = tokens.shape
         dev = tokens.device
-        members = torch.full((b, c * d), member, dtype=torch.int64, device=dev)
+        members = torch.cat([torch.full((b, t.shape[1] * d), m, dtype=torch.int64, device=dev)
+                             for t, _, _, m in chains], 1)
         depth = torch.arange(1, d + 1, device=dev).repeat(c).expand(b, c * d)
+        match = torch.cat([ch[2] for ch in chains], 1)
         bins = self.calibrator.retrieval_bins(members, depth, torch.zeros(b, c * d, device=dev),
                                               match.repeat_interleave(d, dim=1), sampled)
-        valid = valid.reshape(b, c * d)
-        est = torch.where(valid, self._price(est_table, bins, member, factors), 0.0)
+        valid = torch.cat([ch[1] for ch in chains], 1).reshape(b, c * d)
+        est = torch.where(valid, self._price(est_table, bins, members, factors), 0.0)
         chain = torch.arange(-1, d - 1, device=dev)
         parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d)
         return tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members
-
-    def _lookup_part(self, hist: torch.Tensor, count: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
-                     factors=None):
-        tokens, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, self.pool - 1)
-        return self._chain_part(tokens[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP, sampled, est_table,
-                                factors)
-
-    def _outputs_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                      est_table: torch.Tensor, factors=None):
-        """The output index's chains, on the rows ``retrieval.outputs`` gives them to (default: greedy)."""
-        tok, par, est, valid, bins, members = self._chain_part(*self.outputs.propose(hist, count, groups),
-                                                               MEMBER_OUTPUTS, sampled, est_table, factors)
-        rows = _mode_rows(self.config.retrieval.outputs_modes, sampled)
-        if rows is not None:
-            valid = valid & rows[:, None]
-            est, bins = torch.where(valid, est, 0.0), torch.where(valid, bins, -1)
-        return tok, par, est, valid, bins, members
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, factors=None):
@@ -401,8 +404,8 @@ class GraftStep:
                  seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
                  factors=None) -> list:
         """The round's retrieved candidates, priced: one ``(tokens, parents, est, valid, bins,
-        member)`` tuple of ``[B, C_i]`` tensors per enabled source, in tree order (successor, lookup,
-        outputs, host). ``parents`` index within the source's own candidates (-1 = the root).
+        member)`` tuple of ``[B, C_i]`` tensors per enabled part, in tree order (successor, the device
+        chains: lookup then outputs, host). ``parents`` index within the source's own candidates (-1 = the root).
 
         They do not depend on the step's width (every width prices the same N-wide pool), so the
         eager stop gate and the build of a round compute them once (`GraftPlanner.stop_gate`,
@@ -411,10 +414,9 @@ class GraftStep:
         if self.successor is not None:
             tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table, factors)
             parts.append((tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR)))
-        if self.config.retrieval.lookup:
-            parts.append(self._lookup_part(hist, count, sampled, est_table, factors))
-        if self.outputs is not None:
-            parts.append(self._outputs_part(hist, count, host.group, sampled, est_table, factors))
+        chains = self._chain_part(hist, count, host.group, sampled, est_table, factors)
+        if chains is not None:
+            parts.append(chains)
         if host.width > 0:
             parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table, factors))
         return parts

@@ -91,20 +91,22 @@ def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
 
     Used to make scores monotone along paths so that "top-K by score, ties by lower
     index" is always ancestor-closed (paper Sec. 3.3; EAGLE reranking relies on the same
-    property, eagle_utils.py:100).
+    property, eagle_utils.py:100). Several value sets over the same tree share one pointer
+    jumping (stack them on leading dimensions): 2 ops per set and round plus one per round.
 
     Args:
-        values: ``float[B, N]``; parents: ``int64[B, N]`` (-1 = no parent).
+        values: ``float[..., B, N]``; parents: ``int64[B, N]`` (-1 = no parent).
     Returns:
-        ``float[B, N]``.
+        ``float[..., B, N]``.
     """
     b, n = parents.shape
+    lead = tuple(values.shape[:-2])
     p = sentinel_parents(parents)
-    m = torch.cat([values, torch.full((b, 1), math.inf, dtype=values.dtype, device=values.device)], dim=1)
+    m = torch.cat([values, values.new_full((*lead, b, 1), math.inf)], dim=-1)
     for _ in range(pointer_rounds(n + 1)):
-        m = torch.minimum(m, m.gather(1, p))
+        m = torch.minimum(m, m.gather(-1, p.expand(*lead, b, n + 1)))
         p = p.gather(1, p)
-    return m[:, :n]
+    return m[..., :n]
 
 
 IDX_BITS = 20  #: low bits of `order_key` holding the (inverted) column index

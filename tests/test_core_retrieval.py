@@ -377,6 +377,131 @@ def test_output_index_matches_the_longest_tail_and_the_latest_occurrence():
     assert tokens[2, 0, :1].tolist() == [50] and not valid[2, 1].any()   # "9 2" and "2" agree
 
 
+def _lookup_per_length(hist, count, max_match, depth):
+    """Prompt lookup one match length at a time, in plain Python (the oracle for `lookup_propose`):
+    the longest tail (<= max_match, <= count) that occurs earlier in the valid window, its latest
+    occurrence, continued with the period when it runs into the present."""
+    b, length = hist.shape
+    end = length - 1
+    tokens = torch.zeros(b, depth, dtype=torch.int64)
+    match = torch.zeros(b, dtype=torch.int64)
+    for i in range(b):
+        row, first = hist[i].tolist(), length - int(count[i])
+        best_j, best_m = -1, 0
+        for m in range(1, min(max_match, int(count[i])) + 1):
+            ends = [j for j in range(first + m - 1, end) if row[j - m + 1: j + 1] == row[end - m + 1:]]
+            if ends:
+                best_j, best_m = ends[-1], m
+        period = max(end - best_j, 1)
+        tokens[i] = torch.tensor([row[min(max(best_j + 1 + t % period, 0), end)] for t in range(depth)])
+        match[i] = best_m
+    return tokens, (match > 0)[:, None].expand(b, depth), match
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.sampled_from([2, 5, 30]), max_match=st.sampled_from([1, 3, 8, 20]),
+       length=st.sampled_from([16, 40]), blocks=st.sampled_from([False, True]))
+def test_lookup_equals_the_per_length_reference(seed, vocab, max_match, length, blocks):
+    """`lookup_propose` finds every position's matched length with one comparison block and a
+    cumulative product; its chain, validity and match length equal a per-length search in plain
+    Python (short histories, loops that wrap with their period, several comparison blocks)."""
+    from graft_spec.retrieval import lookup
+
+    g = torch.Generator().manual_seed(seed)
+    b, depth = 8, 6
+    hist = torch.randint(0, vocab, (b, length), generator=g)
+    count = torch.randint(0, length + 1, (b,), generator=g)
+    count[0] = length
+    hist[1, -12:] = torch.tensor([4, 5, 6] * 4)                    # a loop of period 3 at the right end
+    count[1] = length
+    hist[:, : length // 4] = torch.where(torch.arange(length // 4) < (length - count)[:, None],
+                                         -1, hist[:, : length // 4])   # invalid positions padded as history does
+    with pytest.MonkeyPatch.context() as mp:
+        if blocks:
+            mp.setattr(lookup, "_BLOCK_ELEMENTS", 7 * max_match * b)       # 7 positions a block
+        got = lookup.lookup_propose(hist, count, max_match, depth)
+    want = _lookup_per_length(hist, count, max_match, depth)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1])
+    assert torch.equal(torch.where(got[1], got[0], 0), torch.where(want[1], want[0], 0))
+    assert got[2][1] == min(max_match, 9) and got[0][1].tolist() == [4, 5, 6, 4, 5, 6]
+
+
+def _propose_per_length(ring, hist, count, groups):
+    """The output index's proposal computed one match length at a time, each tail hashed token by
+    token with the reference `_mgram_hash` (the oracle for `OutputRing.propose`'s vectorised form)."""
+    from graft_spec.retrieval.output_ring import CHAINS, _mgram_hash
+
+    b, length = hist.shape
+    cap, total = ring.capacity, int(ring.total)
+    ps, oks = [], []
+    for k, m in enumerate(ring.lengths):
+        if m > length:
+            break
+        tail = hist[:, length - m:]
+        p = ring.table[k, _mgram_hash(tail, groups) & (ring.slots - 1)]
+        at = (p[:, None] - m + 1 + torch.arange(m)).clamp(min=0) % cap
+        ok = ((p >= 0) & (p - m + 1 > total - cap) & (count >= m) & (ring.ring[at] == tail).all(dim=1)
+              & (ring.tag[p.clamp(min=0) % cap] == groups))
+        nxt = ring.ring[(p + 1).clamp(min=0) % cap]
+        ps.append(p)
+        oks.append(ok & (nxt >= 0) & (p + 1 < total))
+    tokens = torch.zeros(b, CHAINS, ring.depth, dtype=torch.int64)
+    valid = torch.zeros(b, CHAINS, ring.depth, dtype=torch.bool)
+    match = torch.zeros(b, CHAINS, dtype=torch.int64)
+    for i in range(b):
+        good = [k for k in range(len(ps)) if oks[k][i]]
+        if not good:
+            continue
+        first = good[-1]
+        first_tok = int(ring.ring[(int(ps[first][i]) + 1) % cap])
+        other = [k for k in good if int(ring.ring[(int(ps[k][i]) + 1) % cap]) != first_tok]
+        for c, k in enumerate([first] + other[-1:]):
+            p = int(ps[k][i])
+            match[i, c] = ring.lengths[k]
+            for t in range(ring.depth):
+                tok = int(ring.ring[(p + 1 + t) % cap])
+                if tok < 0 or p + 1 + t >= total:
+                    break
+                tokens[i, c, t], valid[i, c, t] = tok, True
+    return tokens, valid, match
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.sampled_from([3, 6, 40]), max_match=st.sampled_from([1, 4, 16, 32]),
+       length=st.sampled_from([8, 20, 48]))
+def test_output_index_proposal_equals_the_per_length_reference(seed, vocab, max_match, length):
+    """`OutputRing.propose` hashes every tail length with one prefix sum and verifies every match with
+    one gather; its tokens, validity and match lengths equal a per-length, token-by-token computation
+    on a small ring (wrapped and overwritten positions, hash collisions, two isolation groups, short
+    histories, negative tokens in the window)."""
+    from graft_spec.retrieval.output_ring import _mgram_hash, _tail_hashes, _wrap64
+    from graft_spec.tree import HASH_POW
+
+    g = torch.Generator().manual_seed(seed)
+    ring = OutputRing(capacity=64, max_match=max_match, depth=5)
+    for r in range(12):                                              # 12 x (4..20 + 1) > 64: the ring wraps
+        n = int(torch.randint(4, 21, (1,), generator=g))
+        ring.insert(torch.randint(0, vocab, (n,), generator=g).tolist(), group=r % 2)
+    b = 24
+    hist = torch.randint(0, vocab, (b, length), generator=g)
+    hist[0, : length // 2] = -1                                      # padding left of a short history
+    count = torch.randint(0, length + 1, (b,), generator=g)
+    groups = torch.randint(0, 2, (b,), generator=g)
+    got, want = ring.propose(hist, count, groups), _propose_per_length(ring, hist, count, groups)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert torch.equal(torch.where(got[1], got[0], 0), want[0])
+    assert got[1].any()                                              # the small vocabulary does match
+    # the hashes themselves, bit for bit, also for token ids near the int64 range
+    big = torch.randint(-(1 << 62), 1 << 62, (5, 32), generator=g)
+    tags = torch.arange(5)
+    lens = torch.tensor([1, 2, 7, 32])
+    pow_r = torch.tensor([_wrap64(HASH_POW ** r) for r in range(32)])
+    pow_m = torch.tensor([_wrap64(HASH_POW ** m) for m in lens.tolist()])
+    fast = _tail_hashes(big.flip(1), tags, lens, pow_r, pow_m)
+    for k, m in enumerate(lens.tolist()):
+        assert torch.equal(fast[:, k], _mgram_hash(big[:, 32 - m:], tags))
+
+
 def test_output_index_groups_are_isolated_and_forgotten_on_handover():
     ring = OutputRing(capacity=256, max_match=2, depth=4)
     for rid, group, out in (("x", 1, [40, 41]), ("y", 2, [50, 51])):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_OUTPUTS, MEMBER_SUFFIX, NUM_MEMBERS
+from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
@@ -481,7 +481,8 @@ def test_build_reuses_the_gate_retrieval(seed):
     draft, roots, host, _, seq, sampled = dense_inputs(b, topk, steps, vocab, 16, "cpu", gen)
     for width in (n, 6):
         gate = planner.stop_gate(roots, host, slots, seq, sampled, num_nodes=width)
-        assert len(gate.retrieved.parts) == 4 and gate.retrieved.factors is not None   # every source, corrected
+        assert len(gate.retrieved.parts) == 3 and gate.retrieved.factors is not None   # successor, device chains, host
+        assert set(gate.retrieved.parts[1][5].unique().tolist()) == {MEMBER_LOOKUP, MEMBER_OUTPUTS}
         own = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
         with OpCounter() as reused_ops:
             reused = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width,

@@ -71,6 +71,23 @@ def test_path_min():
     assert path_min(vals, parents).tolist() == [[0.0, -2.0, -2.0, -0.5, -3.0]]
 
 
+def test_path_min_of_stacked_value_sets_equals_one_call_each():
+    """Value sets stacked on leading dimensions share one pointer jumping and give each set's own
+    path minimum (merge_select and reanchor price two sets over one tree this way)."""
+    g = torch.Generator().manual_seed(3)
+    b, n = 4, 40
+    parents = torch.cat([torch.full((b, 1), -1), torch.stack([torch.randint(0, i, (b,), generator=g)
+                                                              for i in range(1, n)], 1)], 1)
+    vals = torch.randn(2, 3, b, n, generator=g)
+    vals[0, 1, :, 5] = math.inf
+    got = path_min(vals, parents)
+    assert got.shape == vals.shape
+    for i in range(2):
+        for j in range(3):
+            assert torch.equal(got[i, j], path_min(vals[i, j], parents))
+    assert not torch.equal(got[0, 0], vals[0, 0])      # the minimum does move values down the paths
+
+
 # ----------------------------------------------------------------------------- EAGLE
 
 def fake_eagle_lists(b, topk, steps, vocab, gen, ties=False):

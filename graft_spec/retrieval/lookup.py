@@ -8,8 +8,11 @@ deep as the budget (SGLang's NGRAM gets deep loop chains from its trie in the sa
 prompt lookup decoding, Saxena 2023, is the chain-only form). The chain's nodes are priced by the
 calibrator by depth and match length (member ``lookup``), so how deep it is taken is learnt.
 
-Static shapes and a fixed number of ops (about 5 per match length): it runs inside the graft step,
-on the device, on the history that the previous round's bookkeeping appended to.
+Static shapes and a fixed number of ops (~35; one comparison block per ``2**24 / (B x max_match)``
+candidate positions, one block at the defaults): every candidate position's matched length comes
+from one ``[B, positions, max_match]`` comparison and a cumulative product instead of one pass per
+match length (137 ops at ``max_match`` 8). It runs inside the graft step, on the device, on the
+history that the previous round's bookkeeping appended to.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ from __future__ import annotations
 import torch
 
 __all__ = ["lookup_propose"]
+
+#: Elements of one ``[B, positions, max_match]`` comparison block: bounds the step's bool / uint8
+#: temporaries at long histories (``history_len`` up to 65,536) to a few times 16 MiB.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+def _chunk(b: int, end: int, max_match: int) -> int:
+    """Candidate positions per comparison block (a function of shapes only, so CUDA graphs capture it)."""
+    return max(1, min(end, _BLOCK_ELEMENTS // max(1, b * max_match)))
 
 
 def lookup_propose(hist: torch.Tensor, count: torch.Tensor, max_match: int, depth: int
@@ -35,19 +47,21 @@ def lookup_propose(hist: torch.Tensor, count: torch.Tensor, max_match: int, dept
     b, length = hist.shape
     dev = hist.device
     end = length - 1
-    start = (length - count.to(torch.int64))[:, None]                              # first valid index
-    j = torch.arange(end, device=dev)[None, :]                                       # candidate match ends
-    ok = (hist[:, :end] == hist[:, end:]) & (j >= start)
-    best_j = torch.full((b,), -1, dtype=torch.int64, device=dev)
-    best_m = torch.zeros(b, dtype=torch.int64, device=dev)
-    for m in range(1, max_match + 1):
-        if m > 1:
-            back = torch.cat([torch.zeros(b, m - 1, dtype=hist.dtype, device=dev), hist[:, : end - (m - 1)]], 1)
-            ok = ok & (back == hist[:, end - (m - 1): end - (m - 1) + 1]) & (j - (m - 1) >= start)
-        last = torch.where(ok, j, -1).amax(dim=1)
-        found = (last >= 0) & (count >= m)
-        best_j = torch.where(found, last, best_j)
-        best_m = torch.where(found, m, best_m)
+    start = (length - count.to(torch.int64))[:, None, None]                      # first valid index
+    back = torch.arange(max_match, device=dev)
+    padded = torch.cat([hist.new_full((b, max_match - 1), -1), hist], 1)
+    runs, step = [], _chunk(b, end, max_match)
+    for lo in range(0, end, step):                                                 # static: shapes only
+        hi = min(end, lo + step)
+        j = torch.arange(lo, hi, device=dev)[None, :, None]
+        win = padded[:, lo:hi + max_match - 1].unfold(1, max_match, 1).flip(2)  # [B, hi-lo, M]: hist[j - r]
+        tail = padded[:, end:].flip(1)[:, None, :]                              # [B, 1, M]: hist[end - r]
+        eq = (win == tail) & (j - back >= start)
+        runs.append(torch.cumprod(eq.to(torch.uint8), dim=2, dtype=torch.uint8).sum(dim=2))  # [B, hi-lo]
+    run = torch.cat(runs, 1) if len(runs) > 1 else runs[0]                     # matched length ending at j
+    best_m = torch.minimum(run.amax(dim=1), count.to(torch.int64).clamp(min=0))  # longest usable tail
+    j = torch.arange(end, device=dev)[None, :]
+    best_j = torch.where((run >= best_m[:, None]) & (best_m[:, None] > 0), j, -1).amax(dim=1)  # its latest end
     period = (end - best_j).clamp(min=1)[:, None]
     t = torch.arange(depth, device=dev)[None, :]
     idx = (best_j[:, None] + 1 + t % period).clamp(0, end)

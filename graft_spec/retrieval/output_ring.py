@@ -22,8 +22,9 @@ step: for every row it hashes the last m tokens of the slot's history (history.p
 one slot per m, verifies it and takes the longest verified match; the continuation is the ring's
 tokens after it, up to the separator (a chain, like the lookup source), and a second chain from the
 longest match that continues differently; they are priced by the calibrator by depth and match
-length, member ``outputs``. Static shapes, about 12 ops per match
-length, no host read.
+length, member ``outputs``. Static shapes, no host read, and a fixed ~80 ops whatever the number of
+match lengths (375 with one pass per length at ``max_match`` 16): every tail's hash comes from one
+prefix sum (`_tail_hashes`) and every match is verified by one gather.
 """
 
 from __future__ import annotations
@@ -45,10 +46,40 @@ MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def _mgram_hash(windows: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
-    """``int64[...]`` hash of the last dimension's tokens and the group tag (int64 arithmetic wraps)."""
+    """``int64[...]`` hash of the last dimension's tokens and the group tag (int64 arithmetic wraps).
+
+    The reference definition (`insert`): ``h = tag * HASH_MIX + HASH_ADD``, then ``h = h * HASH_POW + w``
+    per token, mixed as ``h ^ (h >> 29)``; `_tail_hashes` gives the same values for every tail length."""
     h = tags.to(torch.int64) * HASH_MIX + HASH_ADD
     for i in range(windows.shape[-1]):                      # m is small and fixed per call
         h = h * HASH_POW + windows[..., i]
+    return h ^ (h >> 29)
+
+
+def _wrap64(x: int) -> int:
+    """A Python integer as the int64 it wraps to."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _tail_hashes(tail_rev: torch.Tensor, tags: torch.Tensor, lengths: torch.Tensor,
+                 pow_r: torch.Tensor, pow_m: torch.Tensor) -> torch.Tensor:
+    """`_mgram_hash` of the last m tokens of every row, for every m in ``lengths``, in a fixed handful of ops.
+
+    The unmixed hash of a tail of length m is ``seed * P**m + sum_{r < m} tok_r * P**r`` modulo
+    2**64, with ``tok_r`` the r-th token back from the root (r = 0 the root) and ``seed`` the tag's:
+    one product and one prefix sum over r give every length at once (the per-token loop of
+    `_mgram_hash` is the same polynomial, so the values are bit-identical).
+
+    Args:
+        tail_rev: ``int64[B, M]`` the last M tokens, newest first; tags: ``int64[B]`` groups;
+        lengths: ``int64[K]`` tail lengths (1 <= m <= M); pow_r: ``int64[M]`` ``P**r``;
+        pow_m: ``int64[K]`` ``P**m`` per length (both wrapped to int64).
+    Returns:
+        ``int64[B, K]`` mixed hashes.
+    """
+    sums = torch.cumsum(tail_rev * pow_r, dim=1).index_select(1, lengths - 1)          # [B, K]
+    h = (tags.to(torch.int64) * HASH_MIX + HASH_ADD)[:, None] * pow_m + sums
     return h ^ (h >> 29)
 
 
@@ -90,6 +121,9 @@ class OutputRing:
         self.lengths = tuple(m for m in MATCH_LENGTHS if m <= max_match)
         self.max_match = self.lengths[-1]
         self._lengths = torch.tensor(self.lengths, dtype=torch.int64, device=device)
+        self._pow_r = torch.tensor([_wrap64(HASH_POW ** r) for r in range(self.max_match)], dtype=torch.int64,
+                                   device=device)
+        self._pow_m = torch.tensor([_wrap64(HASH_POW ** m) for m in self.lengths], dtype=torch.int64, device=device)
         self.device = torch.device(device)
         self.slots = 1 << max(1, (2 * capacity - 1).bit_length())
         self.ring = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
@@ -198,21 +232,17 @@ class OutputRing:
         cap = self.capacity
         groups = groups.to(torch.int64)
         oldest = self.total - cap                                                   # positions after it are held
-        found_p, found_ok = [], []
-        for k, m in enumerate(self.lengths):
-            if m > length:
-                break
-            tail = hist[:, length - m:]
-            slot = _mgram_hash(tail, groups) & (self.slots - 1)
-            p = self.table[k].gather(0, slot)                                       # [B]
-            at = (p[:, None] - m + 1 + torch.arange(m, device=dev)).clamp(min=0)
-            same = (self.ring.gather(0, (at % cap).reshape(-1)).view(b, m) == tail).all(dim=1)
-            found_p.append(p)
-            found_ok.append((p >= 0) & (p - m + 1 > oldest) & (count >= m) & same
-                            & (self.tag.gather(0, p.clamp(min=0) % cap) == groups))
-        kk = len(found_p)
-        ps, oks = torch.stack(found_p, 1), torch.stack(found_ok, 1)                   # [B, K]
+        kk = sum(1 for m in self.lengths if m <= length)                           # static: tails the window holds
+        mm = self.lengths[kk - 1]
         lens = self._lengths[:kk]
+        tail_rev = hist[:, length - mm:].flip(1)                                    # [B, mm], root first
+        slot = _tail_hashes(tail_rev, groups, lens, self._pow_r[:mm], self._pow_m[:kk]) & (self.slots - 1)
+        ps = self.table[:kk].gather(1, slot.t()).t()                                # [B, K] latest positions
+        back = torch.arange(mm, device=dev)
+        at = (ps[:, :, None] - back).clamp(min=0) % cap                             # [B, K, mm]
+        same = (self.ring[at] == tail_rev[:, None, :]) | (back >= lens[:, None])  # only the first m count
+        oks = ((ps >= 0) & (ps - lens + 1 > oldest) & (count[:, None] >= lens) & same.all(dim=2)
+               & (self.tag[ps.clamp(min=0) % cap] == groups[:, None]))
         nxt = self.ring.gather(0, ((ps + 1).clamp(min=0) % cap).reshape(-1)).view(b, kk)
         oks = oks & (nxt >= 0) & (ps + 1 < self.total)                              # a continuation exists
         ar = torch.arange(kk, device=dev)
