@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .tree import SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, node_paths, path_min
+from .tree import SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, node_paths, path_min, pointer_jumps
 
 __all__ = ["spine_tree", "best_chain"]
 
@@ -81,10 +81,11 @@ def best_chain(tree: DraftTree, max_len: int) -> tuple[torch.Tensor, torch.Tenso
     if max_len <= 0:
         return (torch.empty(b, 0, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
                 torch.zeros(b, device=dev))
-    depth = node_depths(tree.parents)
-    logp = path_min(torch.nan_to_num(tree.logp.float(), nan=-math.inf), tree.parents)
+    jumps = pointer_jumps(tree.parents)
+    depth = node_depths(tree.parents, jumps)
+    logp = path_min(torch.nan_to_num(tree.logp.float(), nan=-math.inf), tree.parents, jumps)
     p = torch.where((depth >= 1) & (depth <= max_len), logp.exp(), torch.zeros((), device=dev))
-    mask = ancestor_mask(tree.parents)
+    mask = ancestor_mask(tree.parents, jumps)
     expected = (mask.float() @ p[:, :, None]).squeeze(-1)                             # [B, N]
     expected = torch.where(depth <= max_len, expected, torch.full((), -1.0, device=dev))
     best = expected.argmax(dim=1)                                                     # first max

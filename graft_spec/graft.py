@@ -39,7 +39,7 @@ import torch
 from .calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUCCESSOR, NUM_MEMBERS
 from .config import GraftPolicy
 from .tree import (HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
-                   pointer_rounds, order_key, path_min, sentinel_parents, top_mask)
+                   pointer_jumps, order_key, path_min, top_mask)
 
 __all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select"]
 
@@ -57,15 +57,13 @@ def path_hashes(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         ``int64[B, U]``; equal paths always give equal hashes.
     """
     b, u = tokens.shape
-    p = sentinel_parents(parents)                                        # [B, U+1]
     s = tokens * HASH_MIX + HASH_ADD
     s = torch.cat([s ^ (s >> 31), torch.zeros(b, 1, dtype=s.dtype, device=s.device)], dim=1)
     pw = torch.full_like(s, HASH_POW)
     pw[:, u].fill_(1)                                                         # sentinel: empty segment
-    for _ in range(pointer_rounds(u + 1)):
+    for p in pointer_jumps(parents):
         s = s.gather(1, p) * pw + s
         pw = pw.gather(1, p) * pw
-        p = p.gather(1, p)
     return s[:, :u]
 
 
@@ -242,12 +240,13 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
         gkey = torch.where(kids & ~allowed, neg_inf, gkey)
     # monotone along paths: drops subtrees of invalid / capped / non-unique parents and makes
     # "top N-1 with ties to the lower index" ancestor-closed
-    gkey = path_min(gkey, cpar)
+    cjumps = pointer_jumps(cpar)   # shared by both reductions over the canonical tree
+    gkey = path_min(gkey, cpar, cjumps)
     if policy.exclusive_siblings != "never":  # siblings share their parent's mass (`sibling_caps`)
         cap = sibling_caps(gest, gkey, cpar, gkey > -math.inf)
         capped_est, capped_key = path_min(torch.stack([torch.minimum(gest.float(), cap),
                                                        torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap))]),
-                                          cpar).unbind(0)
+                                          cpar, cjumps).unbind(0)
         if policy.exclusive_siblings == "greedy" and sampled is not None:  # sampled rows keep theirs
             capped_est = torch.where(sampled.reshape(b, 1), gest.float(), capped_est)
             capped_key = torch.where(sampled.reshape(b, 1), gkey, capped_key)

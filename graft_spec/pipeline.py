@@ -36,7 +36,7 @@ from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
 from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput
-from .tree import SOURCE_PADDING, DraftTree, node_depths, path_min
+from .tree import SOURCE_PADDING, DraftTree, node_depths, path_min, pointer_jumps
 
 __all__ = ["GraftPlanner", "RoundRetrieval", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens"]
 
@@ -66,12 +66,13 @@ def on_path_from_tokens(tree: DraftTree, committed: torch.Tensor, lens: torch.Te
     Returns:
         ``(on_path bool[B, N], known bool[B, N])``: known = depth <= lens (the root: always).
     """
-    depth = node_depths(tree.parents)
+    jumps = pointer_jumps(tree.parents)
+    depth = node_depths(tree.parents, jumps)
     lw = committed.shape[1]
     want = committed.gather(1, (depth - 1).clamp(0, lw - 1))
     match = torch.where(depth == 0, True, tree.tokens == want).float()
     known = depth <= lens[:, None]
-    return (path_min(match, tree.parents) > 0.5) & known, known
+    return (path_min(match, tree.parents, jumps) > 0.5) & known, known
 
 
 @dataclass

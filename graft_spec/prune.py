@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from .config import PruneStage
-from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, top_mask
+from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
 
 __all__ = ["PruneResult", "PruneStages", "checkpoint_confidence", "select_stage", "prune", "DraftStopGate"]
 
@@ -121,7 +121,8 @@ def prune(tree: DraftTree, checkpoints: "Sequence[PruneStage] | PruneStages", nu
     b, nd = tree.tokens.shape
     device = tree.device
     st = checkpoints if isinstance(checkpoints, PruneStages) else PruneStages.build(checkpoints, device)
-    depths = node_depths(tree.parents)
+    jumps = pointer_jumps(tree.parents)
+    depths = node_depths(tree.parents, jumps)
     eligible = (tree.source == SOURCE_DRAFT) & torch.isfinite(tree.logp)
     eligible[:, 0].fill_(False)
     conf = checkpoint_confidence(tree.logp, depths, eligible, st.depths)
@@ -130,7 +131,7 @@ def prune(tree: DraftTree, checkpoints: "Sequence[PruneStage] | PruneStages", nu
 
     key = torch.where(eligible, tree.logp.float(), torch.full((), -math.inf, device=device))
     key[:, 0].fill_(math.inf)
-    key = path_min(key, tree.parents)[:, 1:]
+    key = path_min(key, tree.parents, jumps)[:, 1:]
     keep_rest = top_mask(order_key(key), budget, kmax=num_nodes - 1) & (key > -math.inf)
     keep = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=device), keep_rest], dim=1)
     return PruneResult(keep=keep, stage=stage, budget=budget,

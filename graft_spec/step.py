@@ -44,8 +44,8 @@ from .retrieval.buffer import HostCandidates
 from .retrieval.lookup import lookup_propose
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
-from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, sibling_links,
-                   top_mask)
+from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, pointer_jumps,
+                   sibling_links, top_mask)
 
 __all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
@@ -129,7 +129,8 @@ def reanchor(host: HostCandidates, hist: torch.Tensor, count: torch.Tensor, seq_
     length = hist.shape[1]
     par = host.parents
     full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
-    depth = node_depths(full)[:, 1:]                                           # 1-based below the anchor
+    jumps = pointer_jumps(full)
+    depth = node_depths(full, jumps)[:, 1:]                                    # 1-based below the anchor
     gap = seq_lens.to(torch.int64) + 1 - host.anchor_len
     ok_gap = (gap >= 0) & (gap <= count) & (gap <= length)
     src = (length - gap)[:, None] + depth - 1                                  # history index of depth d
@@ -141,7 +142,7 @@ def reanchor(host: HostCandidates, hist: torch.Tensor, count: torch.Tensor, seq_
     # prefix's path log-probability (the root column: 1 and +inf, neutral for the minimum)
     lead = torch.stack([torch.ones(b, 1, device=dev), inf.expand(b, 1)])
     ok_base = path_min(torch.cat([lead, torch.stack([match_here.float(),
-                                                     torch.where(consumed, host.logp.float(), inf)])], 2), full)
+                                                     torch.where(consumed, host.logp.float(), inf)])], 2), full, jumps)
     path_ok, base = ok_base[0, :, 1:] > 0.5, ok_base[1, :, 1:]
     valid = (host.member >= 0) & path_ok & ~consumed & ok_gap[:, None]
     par_depth = depth.gather(1, par.clamp(min=0))
@@ -155,9 +156,10 @@ def tree_layout(tree: DraftTree, seq_lens: torch.Tensor
     """The verify-side arrays of a tree (SGLang ``build_tree_kernel_efficient``'s outputs,
     ``eagle_utils.py:138``): ``(depth, positions, ancestor mask bool[B, N, N], first_child,
     next_sibling)``, positions = ``seq_len + depth``."""
-    depth = node_depths(tree.parents)
+    jumps = pointer_jumps(tree.parents)
+    depth = node_depths(tree.parents, jumps)
     first, nxt = sibling_links(tree.parents)
-    return depth, seq_lens.to(torch.int64)[:, None] + depth, ancestor_mask(tree.parents), first, nxt
+    return depth, seq_lens.to(torch.int64)[:, None] + depth, ancestor_mask(tree.parents, jumps), first, nxt
 
 
 @dataclass

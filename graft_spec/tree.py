@@ -36,7 +36,7 @@ __all__ = [
     "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES",
     "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
-    "path_min", "sentinel_parents", "pointer_rounds", "order_key", "top_mask", "eagle_rerank", "eagle_step",
+    "path_min", "pointer_jumps", "sentinel_parents", "pointer_rounds", "order_key", "top_mask", "eagle_rerank", "eagle_step",
     "HASH_MIX", "HASH_ADD", "HASH_POW",
     "tree_from_selection",
 ]
@@ -68,44 +68,64 @@ def sentinel_parents(parents: torch.Tensor) -> torch.Tensor:
     return torch.cat([p, torch.full((b, 1), n, dtype=p.dtype, device=p.device)], dim=1)
 
 
-def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of every node (root = 0) by pointer jumping, <= ceil(log2 N) rounds.
+def pointer_jumps(parents: torch.Tensor) -> list[torch.Tensor]:
+    """The pointer-jumping arrays of a tree, shared by every reduction over its root paths.
+
+    ``[p, p o p, ..., p^(2^(R-1))]`` with ``p`` = `sentinel_parents` and R = ``pointer_rounds(N + 1)``:
+    entry k maps each node to its 2**k-th ancestor (the sentinel past the root). `node_depths`,
+    `path_min` and `ancestor_mask` take it, so several reductions over one tree pay for the
+    pointers once (R - 1 gathers and the sentinel's 3 ops per tree, a kernel each on a GPU).
 
     Args:
         parents: ``int64[B, N]``, -1 for the root, parent index < child index.
     Returns:
+        R tensors ``int64[B, N + 1]``.
+    """
+    p = sentinel_parents(parents)
+    jumps = [p]
+    for _ in range(pointer_rounds(parents.shape[1] + 1) - 1):
+        p = p.gather(1, p)
+        jumps.append(p)
+    return jumps
+
+
+def node_depths(parents: torch.Tensor, jumps: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+    """Depth of every node (root = 0) by pointer jumping, <= ceil(log2 N) rounds.
+
+    Args:
+        parents: ``int64[B, N]``, -1 for the root, parent index < child index.
+        jumps: `pointer_jumps` of ``parents`` when the caller shares them (else computed here).
+    Returns:
         ``int64[B, N]``.
     """
     b, n = parents.shape
-    p = sentinel_parents(parents)
     d = torch.ones(b, n + 1, dtype=torch.int64, device=parents.device)   # nodes from i up to p[i], excl.
     d[:, n].fill_(0)
-    for _ in range(pointer_rounds(n + 1)):
+    for p in jumps if jumps is not None else pointer_jumps(parents):
         d = d + d.gather(1, p)
-        p = p.gather(1, p)
     return d[:, :n] - 1
 
 
-def path_min(values: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+def path_min(values: torch.Tensor, parents: torch.Tensor, jumps: Optional[list[torch.Tensor]] = None
+             ) -> torch.Tensor:
     """Minimum of ``values`` over each node's root path (node included, root included).
 
     Used to make scores monotone along paths so that "top-K by score, ties by lower
     index" is always ancestor-closed (paper Sec. 3.3; EAGLE reranking relies on the same
     property, eagle_utils.py:100). Several value sets over the same tree share one pointer
-    jumping (stack them on leading dimensions): 2 ops per set and round plus one per round.
+    jumping (stack them on leading dimensions): 2 ops per set and round.
 
     Args:
         values: ``float[..., B, N]``; parents: ``int64[B, N]`` (-1 = no parent).
+        jumps: `pointer_jumps` of ``parents`` when the caller shares them (else computed here).
     Returns:
         ``float[..., B, N]``.
     """
     b, n = parents.shape
     lead = tuple(values.shape[:-2])
-    p = sentinel_parents(parents)
     m = torch.cat([values, values.new_full((*lead, b, 1), math.inf)], dim=-1)
-    for _ in range(pointer_rounds(n + 1)):
+    for p in jumps if jumps is not None else pointer_jumps(parents):
         m = torch.minimum(m, m.gather(-1, p.expand(*lead, b, n + 1)))
-        p = p.gather(1, p)
     return m[..., :n]
 
 
@@ -164,30 +184,30 @@ def top_mask(key: torch.Tensor, k: "int | torch.Tensor", kmax: Optional[int] = N
     return (key >= kth) & (kk > 0)[:, None]
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_mask(parents: torch.Tensor, jumps: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
     """Tree attention mask: ``mask[b, i, j]`` is True iff j == i or j is an ancestor of i.
 
-    Row doubling: after round k a row holds the nearest 2**k path nodes; the row of
-    the 2**k-th ancestor is OR-ed in. Matches SGLang's QLEN_ONLY tree mask layout
+    Row doubling: the rows start with distances 0 and 1; OR-ing in the row of the 2**k-th
+    ancestor (k = 1 .. R-1 of `pointer_jumps`) extends them to distances < 2**(k+1), and
+    2**R >= N + 1 covers every path. Matches SGLang's QLEN_ONLY tree mask layout
     (eagle_utils.py:138).
 
     Args:
         parents: ``int64[B, N]``.
+        jumps: `pointer_jumps` of ``parents`` when the caller shares them (else computed here).
     Returns:
         ``bool[B, N, N]``.
     """
     b, n = parents.shape
+    jumps = jumps if jumps is not None else pointer_jumps(parents)
     ar = torch.arange(n + 1, device=parents.device)
-    p = sentinel_parents(parents)                                       # [B, N+1]
+    p = jumps[0]                                                        # [B, N+1]
     # rows over N+1 columns; the sentinel row/column stays False
     mask = (ar[None, :, None] == ar[None, None, :]) | (p[:, :, None] == ar[None, None, :])
     mask[:, :, n].fill_(False)
     mask[:, n, :].fill_(False)
-    # invariant: rows cover path distances < L and anc is the L-th ancestor (L = 2, 4, ...)
-    anc = p.gather(1, p)
-    for _ in range(pointer_rounds(n + 1)):
+    for anc in jumps[1:]:
         mask |= mask.gather(1, anc[:, :, None].expand(b, n + 1, n + 1))
-        anc = anc.gather(1, anc)
     return mask[:, :n, :n]
 
 

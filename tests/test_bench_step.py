@@ -45,3 +45,30 @@ def test_op_counter_counts_kernels_and_syncs():
         with c.as_one_op():
             torch.ones(3).cumsum(0).max()
     assert c.ops == 4 and c.syncs == 1
+
+
+def test_step_bench_ops_by_function(tmp_path):
+    """``--by-function``: the graft row's ops per graft_spec function, inclusive of callees: the build
+    holds at most the round's ops, and its parts (merge / select, retrieval) at most the build's."""
+    out = tmp_path / "step.json"
+    assert bench_step.main(["--json", str(out), "--batches", "2", "--nodes", "24", "--rounds", "2",
+                            "--vocab", "2000", "--by-function"]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "ops_by_function" not in rows["eagle"]
+    graft = rows["graft"]
+    by = graft["ops_by_function"]
+    build = by["pipeline.py:build"]
+    assert 0.9 * graft["ops_per_round"] <= build <= graft["ops_per_round"]
+    assert 0 < by["graft.py:merge_select"] < build and 0 < by["step.py:retrieve"] < build
+    assert by["tree.py:path_min"] < by["pipeline.py:build"]
+
+
+def test_op_counter_attributes_ops_to_graft_spec_functions():
+    from graft_spec.tree import node_depths
+
+    parents = torch.tensor([[-1, 0, 1, 1]])
+    with bench_step.OpCounter(by_function=True) as c:
+        node_depths(parents)
+        parents + 1                   # outside graft_spec: counted, not attributed
+    assert c.functions["tree.py:node_depths"] == c.ops - 1
+    assert c.functions["tree.py:pointer_jumps"] < c.functions["tree.py:node_depths"]

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUFFIX, NUM_MEMBERS
+from graft_spec.calibration import (CHAIN_DECAY, MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUFFIX,
+                                   NUM_MEMBERS)
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
@@ -240,6 +241,31 @@ def test_calibration_settles_on_observed_rates():
     lower = int(cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-5.0]]),
                                torch.zeros(1, dtype=torch.bool)))
     assert cal.estimates()[lower] <= cal.estimates()[bin1]
+
+
+def test_chained_retrieval_estimates_follow_the_sequential_recurrence():
+    """A retrieval bin's prior is the estimate of the bin one depth shallower times CHAIN_DECAY per
+    depth step (`Calibrator.estimates`); the log-depth scan that composes the chain equals the
+    sequential recurrence, written out here in float64, up to float32 rounding."""
+    planner = GraftPlanner(GraftConfig(), 50)
+    cal = planner.calibrator
+    g = torch.Generator().manual_seed(5)
+    n = cal.hits.numel()
+    cal.trials = torch.randint(0, 400, (n,), generator=g).float() * (torch.rand(n, generator=g) < 0.7)
+    cal.hits = (cal.trials * torch.rand(n, generator=g)).floor()
+    mids = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)   # calibration._DEPTH_MID
+    depths = torch.tensor([[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60]])          # one per depth bin
+    est = cal.estimates()
+    for member in (MEMBER_SUFFIX, MEMBER_LOOKUP, MEMBER_OUTPUTS):
+        for sampled in (False, True):
+            bins = cal.retrieval_bins(torch.full_like(depths, member), depths, torch.full(depths.shape, -0.7),
+                                      torch.full_like(depths, 5), torch.tensor([sampled]))[0].tolist()
+            assert bins == sorted(set(bins)) and len(bins) == len(mids)
+            w, h, t, prior = cal.w, cal.hits.double(), cal.trials.double(), cal.prior.double()
+            e = (h[bins[0]] + w * prior[bins[0]]) / (t[bins[0]] + w)
+            for d in range(1, len(bins)):
+                e = (h[bins[d]] + w * e * CHAIN_DECAY ** (mids[d] - mids[d - 1])) / (t[bins[d]] + w)
+                assert est[bins[d]].item() == pytest.approx(e.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("rate", [0.95, 0.05])

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from graft_spec.tree import (DraftTree, ancestor_mask, eagle_rerank, eagle_step, has_duplicate_siblings,
                              tree_from_selection, leaf_mask, node_depths, node_paths, parents_from_mask, path_min, sibling_links,
-                             validate_parents)
+                             pointer_jumps, pointer_rounds, validate_parents)
 from test_core_reference import ref_ancestors, ref_depths, ref_links, ref_mask, random_tree
 
 
@@ -86,6 +86,31 @@ def test_path_min_of_stacked_value_sets_equals_one_call_each():
         for j in range(3):
             assert torch.equal(got[i, j], path_min(vals[i, j], parents))
     assert not torch.equal(got[0, 0], vals[0, 0])      # the minimum does move values down the paths
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 15, 16, 31, 33, 63])
+def test_pointer_jumps_shared_by_depths_path_min_and_mask(n):
+    """One `pointer_jumps` serves node_depths, path_min and ancestor_mask over a tree: each gives
+    the reference result. Chains are the deepest trees; at N = 7, 15, 31, 63 (2**R = N + 1) the
+    mask's R - 1 doubling rounds just cover the deepest path."""
+    rng = random.Random(n)
+    chain = torch.arange(-1, n - 1)[None]
+    _, rand = batch_of_trees(n, 3, n)
+    for parents in (chain, rand):
+        jumps = pointer_jumps(parents)
+        assert len(jumps) == pointer_rounds(n + 1)
+        depths, mask = node_depths(parents, jumps), ancestor_mask(parents, jumps)
+        vals = torch.tensor([[rng.uniform(-3, 0) for _ in range(n)] for _ in range(parents.shape[0])])
+        mins = path_min(vals, parents, jumps)
+        for r in range(parents.shape[0]):
+            pr = parents[r].tolist()
+            assert depths[r].tolist() == ref_depths(pr)
+            assert mask[r].tolist() == ref_mask(pr)
+            for i in range(n):
+                assert mins[r, i].item() == min(vals[r, j].item() for j in ref_ancestors(pr, i))
+        assert torch.equal(depths, node_depths(parents)) and torch.equal(mask, ancestor_mask(parents))
+    assert node_depths(chain).tolist() == [list(range(n))]
+    assert torch.equal(ancestor_mask(chain)[0], torch.ones(n, n, dtype=torch.bool).tril())
 
 
 # ----------------------------------------------------------------------------- EAGLE

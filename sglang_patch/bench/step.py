@@ -27,6 +27,7 @@ generated for it (its syncs are 0 by construction: a fullgraph compile has no ho
 Usage::
 
     python -m sglang_patch.bench.step --json bench_out/step.json [--batches 1,16,64] [--nodes 24,60] [--eager-gate]
+        [--by-function]   # graft rows: ops per graft_spec function (``ops_by_function``)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import platform
 import random
 import statistics
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -60,13 +62,31 @@ SHAPES = {24: (4, 4), 60: (10, 7)}
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts dispatched aten ops (views excluded) and host syncs (see module docstring)."""
+    """Counts dispatched aten ops (views excluded) and host syncs (see module docstring).
 
-    def __init__(self):
+    With ``by_function`` it also attributes each op to every ``graft_spec`` function on the Python
+    stack when it was dispatched (`functions`: ``"module.py:function"`` -> ops, inclusive: an op
+    counts for its function and for each caller), which costs a stack walk per op.
+    """
+
+    def __init__(self, by_function: bool = False):
         super().__init__()
         self.ops = self.syncs = 0
         self.paused = False
         self.names: dict[str, int] = {}
+        self.by_function = by_function
+        self.functions: dict[str, int] = {}
+
+    def _attribute(self) -> None:
+        seen = set()
+        for frame in traceback.extract_stack():
+            path = frame.filename.replace("\\", "/")
+            if "/graft_spec/" not in path:
+                continue
+            key = f"{path.split('/graft_spec/')[-1]}:{frame.name}"
+            if key not in seen:
+                seen.add(key)
+                self.functions[key] = self.functions.get(key, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,6 +98,8 @@ class OpCounter(TorchDispatchMode):
             if name not in VIEW_OPS:
                 self.ops += 1
                 self.names[name] = self.names.get(name, 0) + 1
+                if self.by_function:
+                    self._attribute()
         return func(*args, **kwargs)
 
     @contextmanager
@@ -179,7 +201,7 @@ def _load_sglang() -> None:
 
 
 def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, seed: int = 0,
-                eager_gate: bool = False) -> list[dict]:
+                eager_gate: bool = False, by_function: bool = False) -> list[dict]:
     planner, streams, rids, ctx, topk, depth, rng, gen = workload(batch, n, vocab, seed)
     roots = torch.tensor([planner.retriever.sources[0]._tries[r].hist[-1] for r in rids])
     slots = torch.arange(batch)
@@ -208,8 +230,10 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
         t2 = time.perf_counter()
         out = graft_build()
         t3 = time.perf_counter()
-        with OpCounter() as c:
+        with OpCounter(by_function=by_function and it == rounds + warm - 1) as c:
             graft_build()
+        if c.by_function:
+            functions = c.functions
         null = OpCounter()
         t4 = time.perf_counter()
         _eagle_build(sl, tl, pl, roots, seq, n, topk, depth, null)
@@ -288,6 +312,8 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
                        host_to_device_copies_per_round=1 if planner.buffer.width else 0,
                        observe_ops_per_round=statistics.median(obs_ops),
                        observe_syncs_per_round=statistics.median(obs_syncs))
+            if by_function:   # the last round's ops per graft_spec function, inclusive, largest first
+                row["ops_by_function"] = dict(sorted(functions.items(), key=lambda kv: -kv[1]))
         out_rows.append(row)
     return out_rows
 
@@ -316,6 +342,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=151936, help="Qwen3 vocabulary size by default")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
     ap.add_argument("--inductor", action="store_true", help="also time the step compiled by torch.compile")
+    ap.add_argument("--by-function", action="store_true",
+                    help="graft rows: the last round's ops per graft_spec function (inclusive of callees)")
     ap.add_argument("--eager-gate", action="store_true",
                     help="also count and time the eager gated round (stop gate + build), shared and unshared")
     args = ap.parse_args(argv)
@@ -325,7 +353,8 @@ def main(argv=None) -> int:
     rows = []
     for n in [int(x) for x in args.nodes.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
-            for row in bench_shape(b, n, args.rounds, args.vocab, args.inductor, eager_gate=args.eager_gate):
+            for row in bench_shape(b, n, args.rounds, args.vocab, args.inductor, eager_gate=args.eager_gate,
+                                   by_function=args.by_function):
                 rows.append(row)
                 print(json.dumps(row))
     payload = {
