@@ -256,14 +256,19 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     rest = gkey[:, 1:]
     g = (gain_nodes or num_nodes) - 1
     k = min(g, u - 1)
-    top_idx = torch.topk(order_key(rest), k, dim=1).indices
+    rkey = order_key(rest)
+    top_idx = torch.topk(rkey, k, dim=1).indices                               # sorted: best first
     ranked = torch.where(rest.gather(1, top_idx) > -math.inf, gest[:, 1:].gather(1, top_idx), 0.0)
     gain = torch.cumsum(ranked.clamp(min=0.0), dim=1)
     if k < g:  # fewer candidates than widths: wider trees add padding only
         last = gain[:, -1:] if k > 0 else torch.zeros(b, 1, device=dev)
         gain = torch.cat([gain, last.expand(b, g - k)], dim=1)
-    sel = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev),
-                     top_mask(order_key(rest), num_nodes - 1) & (rest > -math.inf)], dim=1)
+    kn = min(num_nodes - 1, u - 1)
+    if kn <= k:   # the tree's N - 1 are the first of the ranked candidates: no second top-k
+        chosen = torch.zeros_like(rest, dtype=torch.bool).scatter_(1, top_idx[:, :kn], True)
+    else:
+        chosen = top_mask(rkey, num_nodes - 1)
+    sel = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), chosen & (rest > -math.inf)], dim=1)
 
     # 4. compact + pad
     newidx = torch.cumsum(sel, dim=1) - 1

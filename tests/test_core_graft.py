@@ -388,3 +388,22 @@ def test_sibling_caps_match_a_direct_sum(seed, u):
         above = sum(est[0, j].item() for j in range(1, u) if j != i and pars[j] == pars[i] and live[0, j]
                     and (key[0, j] > key[0, i] or (key[0, j] == key[0, i] and j < i)))
         assert cap[i] == pytest.approx(max(0.0, est[0, pars[i]].item() - above), abs=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 100_000), u=st.integers(2, 30), n=st.integers(2, 34))
+def test_selection_does_not_depend_on_the_gain_curve_length(seed, u, n):
+    """The tree's N - 1 nodes are the first of the gain curve's ranking when the curve is at least as
+    long (no second top-k), and the top-k of the keys when it is shorter: the same nodes either way."""
+    rng = random.Random(seed)
+    b = 2
+    rows = [random_tree(rng, u, 6, distinct=False) for _ in range(b)]
+    toks, pars = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+    est = torch.tensor([[1.0] + [rng.choice([rng.random(), 0.5, 0.0]) for _ in range(u - 1)] for _ in range(b)])
+    valid = torch.tensor([[True] + [rng.random() < 0.85 for _ in range(u - 1)] for _ in range(b)])
+    member = torch.full_like(toks, MEMBER_SUFFIX)
+    bins = torch.full_like(toks, -1)
+    outs = [merge_select(toks, pars, est, est, valid, member, bins, n, gain_nodes=g) for g in (2, n, n + 7)]
+    for tree, mb, _ in outs[1:]:
+        assert torch.equal(tree.tokens, outs[0][0].tokens) and torch.equal(tree.parents, outs[0][0].parents)
+        assert torch.equal(tree.logp, outs[0][0].logp) and torch.equal(mb, outs[0][1])
