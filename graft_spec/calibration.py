@@ -269,11 +269,10 @@ class Calibrator:
                                RETRIEVAL_MEMBERS] for mode in (0, 1)], device=self.device)
         self._retr_idx = (first[:, :, None, None] + torch.arange(layout.num_depth, device=self.device)[:, None] * per
                           + torch.arange(per, device=self.device)).contiguous()
-        self._chain_decay = [CHAIN_DECAY ** (b - a) for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:])]
         # the chain's prior weight per depth bin, ``[D, 1]``: 0 at the shallowest (its prior is fixed)
-        self._chain_weight = torch.tensor([0.0, *(self.w * d for d in self._chain_decay)],
+        self._chain_weight = torch.tensor([0.0, *(self.w * CHAIN_DECAY ** (b - a)
+                                                  for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:]))],
                                           device=self.device)[:, None]
-        self._chain_first = torch.arange(len(_DEPTH_MID), device=self.device)[:, None] == 0
         agree = layout.offset(MEMBER_AGREE)
         self._agree_idx = torch.stack([mode * layout.per_mode + agree + torch.arange(layout.draft_bins, device=self.device)
                                        for mode in (0, 1)])                       # [2 modes, agreement bins]
@@ -396,11 +395,11 @@ class Calibrator:
         steps of 5: a GPU replays one kernel per op). Equal to the sequential recurrence up to float32
         rounding.
         """
-        h, t = self.hits[self._retr_idx], self.trials[self._retr_idx]            # [2, R, D, Q*M]
-        den = t + self.w
-        a = torch.where(self._chain_first, first, h / den)        # bin 0: the constant map to its own estimate
+        den = self.trials[self._retr_idx] + self.w                               # [2, R, D, Q*M]
+        # bin 0: the constant map to its own estimate
+        a = torch.cat([first, self.hits[self._retr_idx[:, :, 1:]] / den[:, :, 1:]], 2)
         b = self._chain_weight / den                       # 0 at bin 0
-        d = h.shape[2]
+        d = a.shape[2]
         shift = 1
         while shift < d:                                   # fixed count: ceil(log2 D) rounds
             # compose each map with the one `shift` bins shallower (identity 0 + 1 * x before bin 0)

@@ -51,8 +51,9 @@ SOURCE_NAMES = ("draft", "retrieved", "padding")
 def pointer_rounds(n: int) -> int:
     """Pointer-jumping rounds that cover any path in an n-node tree: ceil(log2 n), at least 1.
 
-    Every pointer-jumping loop in graft_spec runs exactly this many rounds (no early exit), so the
-    same code runs on CPU and on accelerators without a host read per round.
+    Every pointer-jumping loop in graft_spec runs a number of rounds fixed by this (`pointer_jumps`
+    builds this many arrays; no early exit), so the same code runs on CPU and on accelerators
+    without a host read per round.
     """
     return max(1, math.ceil(math.log2(max(n, 2))))
 
