@@ -89,8 +89,7 @@ __all__ = [
     "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
     "MEMBER_AGREE", "NUM_MEMBERS",
     "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
-    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "SHORT_WINDOW_MEMBERS", "BinLayout", "Calibrator",
-    "linear_correction", "apply_correction",
+    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator", "linear_correction", "apply_correction",
 ]
 
 MEMBER_DRAFT = 0      #: proposed by the draft model
@@ -112,9 +111,6 @@ DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 #: Match-length bins (suffix / corpus): 1, 2, 3-4, 5-8, 9-16, 17-32, 33+.
 MATCH_EDGES = (1, 2, 4, 8, 16, 32)
 _RETRIEVAL_DECAY = 0.85
-#: The member sources that keep a short window by default (module docstring, "Short window"): the
-#: sparse ones, a trial or less a round, whose long window spans hundreds of rounds.
-SHORT_WINDOW_MEMBERS = (MEMBER_SUFFIX, MEMBER_CORPUS)
 #: Per-depth decay from a retrieval bin to the next deeper depth bin's prior (see `Calibrator.estimates`).
 CHAIN_DECAY = 0.95
 #: Middle depth of each depth bin (for the chained prior's decay over the bin's width).
@@ -223,8 +219,6 @@ class Calibrator:
         source_half_life: verified rounds after which the short window has halved (0: no short
             window, the long one alone).
         short_pseudo_trials: pseudo-trials of the short window's correction (> 0).
-        short_members: the member sources (``MEMBER_*``) that keep a short window; the others'
-            rows of it stay empty, so its correction is the identity for them.
         device: where the tables live.
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
@@ -237,8 +231,8 @@ class Calibrator:
         recent_short: the same rows for the short window (trials, sum of the estimates after the
             long window's correction, hits), or None without one.
     Raises:
-        ValueError: ``prior_weight <= 0``, ``source_window < 0``, ``source_half_life < 0``,
-            ``short_pseudo_trials <= 0`` or an unknown member in ``short_members``.
+        ValueError: ``prior_weight <= 0``, ``source_window < 0``, ``source_half_life < 0`` or
+            ``short_pseudo_trials <= 0``.
     """
 
     #: Pseudo-trials of the source correction (module docstring).
@@ -247,7 +241,7 @@ class Calibrator:
     def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
                  halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu",
                  source_window: float = 256.0, source_half_life: float = 0.0,
-                 short_pseudo_trials: float = 2.0, short_members: tuple[int, ...] = SHORT_WINDOW_MEMBERS):
+                 short_pseudo_trials: float = 2.0):
         if prior_weight <= 0:
             raise ValueError("Calibrator: prior_weight must be > 0")
         if source_window < 0:
@@ -256,8 +250,6 @@ class Calibrator:
             raise ValueError("Calibrator: source_half_life must be >= 0")
         if short_pseudo_trials <= 0:
             raise ValueError("Calibrator: short_pseudo_trials must be > 0")
-        if any(m not in range(NUM_MEMBERS) for m in short_members):
-            raise ValueError(f"Calibrator: short_members must be member indices < {NUM_MEMBERS}, got {short_members}")
         self.source_window = float(source_window)
         self.short_pseudo_trials = float(short_pseudo_trials)
         #: the short window's factor per verified round (None: no short window)
@@ -292,10 +284,6 @@ class Calibrator:
         self._group = self._source_groups()
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
         self.recent_short = torch.zeros_like(self.recent) if self.round_decay is not None else None
-        #: ``float32[2 * NUM_MEMBERS + 1, 1]`` 1 for the short window's rows of ``short_members``, 0 for
-        #: the rows it keeps empty (their correction is the identity)
-        self._short_keep = torch.tensor([[float(m in short_members)] for _ in (0, 1) for m in range(NUM_MEMBERS)]
-                                        + [[0.0]], device=self.device)
         self._long: torch.Tensor | None = None      # the long window's corrected table (short window's base)
         self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
         self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
@@ -444,16 +432,13 @@ class Calibrator:
         return apply_correction(table, scale[self._group], under[self._group])
 
     def _credit_window(self, window: torch.Tensor, priced: torch.Tensor, rows: torch.Tensor,
-                       valid: torch.Tensor, hit: torch.Tensor, decay: float,
-                       keep: torch.Tensor | None = None) -> None:
+                       valid: torch.Tensor, hit: torch.Tensor, decay: float) -> None:
         """Add one round to a source window in place: per node ``(valid, priced * valid, hit)`` into
         its (mode, member) row ``rows``, the dump row emptied, then the window halved where it holds
-        over ``source_window`` trials and multiplied by ``decay`` elsewhere; rows where ``keep``
-        (``float32[rows, 1]`` of 0 / 1, None: all) is 0 are emptied."""
+        over ``source_window`` trials and multiplied by ``decay`` elsewhere."""
         window.index_add_(0, rows, torch.stack([valid, priced * valid, hit], dim=1))
         window[-1].fill_(0.0)
-        factor = torch.where(window[:, :1] > self.source_window, 0.5, decay)
-        window.mul_(factor if keep is None else factor * keep)
+        window.mul_(torch.where(window[:, :1] > self.source_window, 0.5, decay))
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
@@ -492,7 +477,7 @@ class Calibrator:
             self._credit_window(self.recent, base, rows, v, hit, 1.0)
             if self.recent_short is not None:  # the short window, priced with the long window's estimates
                 long = (self._long if self._long is not None else estimates).gather(0, flat)
-                self._credit_window(self.recent_short, long, rows, v, hit, self.round_decay, self._short_keep)
+                self._credit_window(self.recent_short, long, rows, v, hit, self.round_decay)
         # metrics: per member source and per depth (cumulative, never halved)
         est = estimates.gather(0, flat).view_as(bins)
         if factors is not None:  # the metrics compare what the round was priced with

@@ -260,14 +260,11 @@ class CalibrationConfig(BaseModel):
             graft only, N 24 (docs/benchmark.md, "The suffix source's calibration miss"): on the
             shipped pair suffix misses 3 -> 0 (32 rounds) per run, tau within a run's noise except
             code greedy (4.68 -> 4.57); on the quick pair greedy tau fell 4-5% (code 6.35 -> 6.10,
-            chat 12.59 -> 12.00) with no fewer misses. So it stays off.
+            chat 12.59 -> 12.00) with no fewer misses. Given to suffix and corpus alone (8ead1f3,
+            reverted) it left the suffix misses as they were (docs/benchmark.md, "The chat greedy
+            suffix over-estimate is not a lag"). So it stays off.
         source_short_pseudo_trials: pseudo-trials that hold the short window's correction near the
             long window's estimate while it has few trials (> 0).
-        source_half_life_sources: the member sources that get the short window (names as in
-            ``/server_info``: draft, successor, suffix, corpus, lookup, outputs, agree); the others
-            keep the long window alone. Default: the sparse ones, suffix and corpus (under a trial
-            a round); on a denser source a window of a few dozen rounds follows streaks (the output
-            index on shipped code greedy bought more nodes at 0.12 observed against 0.18-0.21).
         request_window: rounds per request and retrieval source (successor, suffix, corpus, lookup,
             outputs) over which that request's own correction of the source's estimates is measured
             (request_correction.py; a round is one trial); 0 = off. Measured: docs/benchmark.md
@@ -288,8 +285,6 @@ class CalibrationConfig(BaseModel):
     source_window: float = Field(default=256.0, ge=0.0)
     source_half_life: float = Field(default=0.0, ge=0.0)
     source_short_pseudo_trials: float = Field(default=2.0, gt=0.0, le=1e6)
-    source_half_life_sources: tuple[Literal["draft", "successor", "suffix", "corpus", "lookup", "outputs", "agree"], ...] = (
-        "suffix", "corpus")
     request_window: float = Field(default=64.0, ge=0.0)
     agreement: Optional[bool] = None
 

@@ -25,7 +25,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from .calibration import MEMBER_NAMES, BinLayout, Calibrator
+from .calibration import BinLayout, Calibrator
 from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
 from .retrieval.buffer import HostCandidateBuffer, HostCandidates
@@ -182,9 +182,7 @@ class GraftPlanner:
                                      config.calibration.halve_at, max_depth=max(n, 64), device=self.device,
                                      source_window=config.calibration.source_window,
                                      source_half_life=config.calibration.source_half_life,
-                                     short_pseudo_trials=config.calibration.source_short_pseudo_trials,
-                                     short_members=tuple(MEMBER_NAMES.index(m)
-                                                         for m in config.calibration.source_half_life_sources))
+                                     short_pseudo_trials=config.calibration.source_short_pseudo_trials)
         #: per-request windows of the retrieval sources' acceptance (request_correction.py)
         self.request_correction = RequestCorrection(max_slots, config.calibration.request_window,
                                                     device=self.device)

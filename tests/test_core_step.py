@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graft_spec.calibration import (CHAIN_DECAY, MEMBER_AGREE, MEMBER_CORPUS, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS,
-                                   MEMBER_SUFFIX, NUM_MEMBERS, SHORT_WINDOW_MEMBERS)
+from graft_spec.calibration import (CHAIN_DECAY, MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUFFIX,
+                                   NUM_MEMBERS)
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
@@ -331,43 +331,6 @@ def test_source_half_life_lets_a_sparse_source_follow_a_jump():
     assert 0.0 <= estimates[16.0] < 0.15
     with pytest.raises(ValueError, match="source_half_life"):
         GraftConfig(calibration={"source_half_life": -1.0})
-
-
-def test_short_window_only_for_the_sources_it_names():
-    """The short window covers the sparse sources by default (suffix, corpus): a dense source (lookup,
-    several trials a round) whose rate drops keeps exactly the long window's estimate, while the suffix
-    follows its own drop within the half-life; naming lookup in ``source_half_life_sources`` gives it the
-    short window too. An unknown source name is refused, naming the field."""
-    assert GraftConfig().calibration.source_half_life_sources == ("suffix", "corpus")
-    assert SHORT_WINDOW_MEMBERS == (MEMBER_SUFFIX, MEMBER_CORPUS)
-
-    def run(half_life, sources=None):
-        calib = {"source_half_life": half_life}
-        if sources is not None:
-            calib["source_half_life_sources"] = sources
-        cal = GraftPlanner(GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration=calib), 50).calibrator
-        bins = {m: int(cal.retrieval_bins(torch.tensor([[m]]), torch.tensor([[3]]), torch.zeros(1, 1),
-                                          torch.tensor([[8]]), torch.zeros(1, dtype=torch.bool)))
-                for m in (MEMBER_SUFFIX, MEMBER_LOOKUP)}
-        for rounds, rate in ((1500, 2), (100, 0)):         # hit every other trial, then never
-            for i in range(rounds):
-                nodes = torch.full((1, 5, NUM_MEMBERS), -1)
-                nodes[0, 1:4, MEMBER_LOOKUP] = bins[MEMBER_LOOKUP]   # three lookup trials a round
-                if i % 4 == 0:                                        # a suffix trial every fourth round
-                    nodes[0, 4, MEMBER_SUFFIX] = bins[MEMBER_SUFFIX]
-                hit = rate > 0 and i % rate == 0
-                on_path = torch.tensor([[True, hit, hit, hit, hit]])
-                cal.update(nodes, on_path, torch.ones(1, 5, dtype=torch.int64), cal.estimates())
-        est = cal.estimates()
-        return {m: est[b].item() for m, b in bins.items()}
-
-    off, sparse, all_named = run(0.0), run(16.0), run(16.0, ["suffix", "corpus", "lookup"])
-    assert sparse[MEMBER_LOOKUP] == off[MEMBER_LOOKUP]                 # untouched: its short rows stay empty
-    assert sparse[MEMBER_SUFFIX] < off[MEMBER_SUFFIX] - 0.1            # the sparse source follows its drop
-    assert all_named[MEMBER_SUFFIX] == pytest.approx(sparse[MEMBER_SUFFIX])
-    assert all_named[MEMBER_LOOKUP] < off[MEMBER_LOOKUP]               # named: lookup gets the window too
-    with pytest.raises(ValueError, match="source_half_life_sources"):
-        GraftConfig(calibration={"source_half_life_sources": ["sufix"]})
 
 
 def test_source_correction_per_mode_on_sampled_rows_too():
