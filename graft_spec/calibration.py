@@ -379,13 +379,7 @@ class Calibrator:
         ratio = (ah.sum(1, keepdim=True) + 1.0) / ((at * ap).sum(1, keepdim=True) + 1.0)
         est = est.index_copy(0, ai.reshape(-1),
                              ((ah + self.w * (ap * ratio).clamp(max=0.99)) / (at + self.w)).reshape(-1))
-        # retrieval sources' shallowest depth bins: the fixed prior scaled by its block's observed /
-        # expected hits (per mode and member), as for agreement; deeper bins chain from these
-        ri = self._retr_idx[:, :, :1]                                           # [2, R, 1, Q*M]
-        rh, rt, rp = self.hits[ri], self.trials[ri], self.prior[ri]
-        rratio = (rh.sum(-1, keepdim=True) + 1.0) / ((rt * rp).sum(-1, keepdim=True) + 1.0)
-        first = (rh + self.w * (rp * rratio).clamp(max=0.99)) / (rt + self.w)
-        est = est.index_copy(0, self._retr_idx.reshape(-1), self._chained(first).reshape(-1))
+        est = est.index_copy(0, self._retr_idx.reshape(-1), self._chained(est[self._retr_idx[:, :, :1]]).reshape(-1))
         est = torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
         self._base = est
         self._latest = self._source_corrected(est)
