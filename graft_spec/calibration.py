@@ -72,7 +72,10 @@ whose correction (with ``source_short_pseudo_trials``) is fitted to and applied 
 window's, so with few trials it stays at the long window's estimate instead of the bins'.
 Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.
 On the benches it removed the shipped pair's suffix misses but cost greedy tau (docs/benchmark.md,
-"The suffix source's calibration miss"), so it is off.
+"The suffix source's calibration miss"), so it is off. The chat greedy suffix miss is not only this
+lag: a fresh server serving chat alone over-estimates the suffix too (0.403 / 0.278), and neither a
+short window on the sparse sources nor a prior scaled by its block's record removed it without
+costing tau (docs/benchmark.md, "The chat greedy suffix over-estimate is not a lag").
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
