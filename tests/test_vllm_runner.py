@@ -37,7 +37,7 @@ from vllm.distributed import ensure_model_parallel_initialized, init_distributed
 
 target, draft, cfg_path = sys.argv[1:4]
 K = 3
-cfg = EngineArgs(model=target, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,
+cfg = EngineArgs(model=target, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,
                  speculative_config={"method": "graft", "model": draft, "num_speculative_tokens": K,
                                      "graft_config": cfg_path}).create_engine_config()
 out = {}
