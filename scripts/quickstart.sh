@@ -2,7 +2,9 @@
 # The README's main-job command: on a fresh CPU machine, install, serve a model pair (the shipped
 # models/default when present, else the quick test pair made in ~2 min) with Graft and
 # without speculation, print sampled completions as text, check the greedy outputs are identical to
-# no speculation, and report tau, the grafted share and the tokens/s ratio. Stops both servers.
+# no speculation, and report the tokens/s ratio, how many decode rounds speculated (the batch budget
+# runs a round as a plain decode step where speculating would not pay) and the tau of those rounds.
+# Stops both servers.
 #
 #   bash scripts/quickstart.sh
 #
@@ -92,6 +94,6 @@ wait_healthy graft "$GRAFT_PORT" 0
 wait_healthy nospec "$REF_PORT" 1
 grep -m1 "graft worker ready" "${TMPDIR:-/tmp}/graft_quickstart_graft_${GRAFT_PORT}.log" || true
 
-# 4. Text, the greedy check against no speculation, tau, grafted share, tokens/s ratio.
+# 4. Text, the greedy check against no speculation, the tokens/s ratio, speculated rounds and their tau.
 "$PY" scripts/quickstart_client.py --url "http://127.0.0.1:$GRAFT_PORT" \
   --reference-url "http://127.0.0.1:$REF_PORT" --prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW"

@@ -8,10 +8,19 @@
 1. Sampled completions (temperature 0.8, top-p 0.95, seeded) from the Graft server, printed as text
    (greedy text of a small model loops; sampled text shows what the model writes).
 2. The same prompts greedily on both servers, concurrency 4: the output token ids must be identical
-   (exit 1 otherwise), then tau (accepted tokens per verify step, bonus included: completion tokens /
-   ``spec_verify_ct``), the grafted share of accepted tokens (``meta_info.graft_src``: ``d`` draft,
-   ``r`` grafted, ``p`` padding) and the tokens/s ratio Graft / no-spec on that run.
-Exits non-zero when a server fails, greedy outputs differ, or no speculative round was reported.
+   (exit 1 otherwise), then the tokens/s ratio Graft / no-spec on that run, how many of the Graft
+   server's decode rounds speculated, and the tau of those rounds.
+
+The batch budget gives each decode round a verify width: 1 (a plain decode step) where speculating
+would cost more than it earns, as on a small CPU at concurrency 4, or more. Counted per request:
+rounds = ``meta_info.spec_verify_ct``; plain rounds = the Graft server's
+``worker.batch_budget.tokens_by_width["1"]`` on ``GET /server_info``, read before and after the
+greedy pass (a plain round emits exactly one token per request); speculated rounds = rounds - plain
+rounds, and their tau = the tokens they emitted (bonus included) / their number. The report also
+carries tau over every round (completion tokens / ``spec_verify_ct``), which plain rounds pull toward
+1, and the grafted share of accepted tree tokens (``meta_info.graft_src``: ``d`` draft, ``r`` grafted,
+``p`` padding).
+Exits non-zero when a server fails, greedy outputs differ, or no verify round was reported.
 """
 
 from __future__ import annotations
@@ -47,6 +56,37 @@ def generate_all(url: str, prompts: list[str], concurrency: int, **sampling) -> 
     return outs, time.perf_counter() - t0
 
 
+def plain_rounds(url: str) -> int | None:
+    """Request-rounds the Graft server has run as plain decode steps so far (``GET /server_info``:
+    ``worker.batch_budget.tokens_by_width["1"]``, summed over its schedulers; a plain round emits
+    exactly one token per request, so its tokens count its request-rounds). 0 with the batch budget
+    off; None when the server does not report it."""
+    try:
+        states = httpx.get(f"{url}/server_info", timeout=60).json().get("internal_states") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    workers = [s.get("graft", {}).get("worker") for s in states if isinstance(s, dict)]
+    workers = [w for w in workers if w]
+    if not workers:
+        return None
+    return sum(int(((w.get("batch_budget") or {}).get("tokens_by_width") or {}).get("1", 0)) for w in workers)
+
+
+def speculated(outs: list[dict], plain_before: int | None, plain_after: int | None) -> dict | None:
+    """Decode rounds of ``outs`` (per request, ``meta_info.spec_verify_ct``), how many of them
+    speculated (verify width > 1), and the tokens those rounds emitted per round, bonus included:
+    (completion tokens - each request's prefill token - one per plain round) / speculated rounds.
+    None without the plain-round counter."""
+    if plain_before is None or plain_after is None:
+        return None
+    rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    decoded = sum(o["meta_info"]["completion_tokens"] - 1 for o in outs if o["meta_info"]["completion_tokens"])
+    plain = plain_after - plain_before
+    spec = rounds - plain
+    return {"rounds": rounds, "speculated_rounds": spec,
+            "speculated_tau": round((decoded - plain) / spec, 3) if spec > 0 else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True, help="Graft server")
@@ -70,7 +110,9 @@ def main() -> int:
     # warm both servers' code paths once, then time the greedy pass
     generate_all(args.reference_url, prompts[:1], 1, max_new_tokens=8)
     ref, ref_s = generate_all(args.reference_url, prompts, args.concurrency, max_new_tokens=args.max_new_tokens)
+    plain_before = plain_rounds(args.url)
     graft, graft_s = generate_all(args.url, prompts, args.concurrency, max_new_tokens=args.max_new_tokens)
+    spec = speculated(graft, plain_before, plain_rounds(args.url))
     differ = [i for i, (a, b) in enumerate(zip(graft, ref)) if a["output_ids"] != b["output_ids"]]
     tokens = sum(o["meta_info"]["completion_tokens"] for o in graft)
     rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in graft)
@@ -79,7 +121,8 @@ def main() -> int:
     ref_tokens = sum(o["meta_info"]["completion_tokens"] for o in ref)
     report = {
         "greedy_equal_to_no_spec": not differ,
-        "tau": round(tokens / rounds, 3) if rounds else None,
+        "tau_all_rounds": round(tokens / rounds, 3) if rounds else None,
+        **(spec or {}),
         "grafted_share": round(src["r"] / accepted, 3) if accepted else 0.0,
         "graft_tokens_per_s": round(tokens / graft_s, 1),
         "no_spec_tokens_per_s": round(ref_tokens / ref_s, 1),
@@ -92,11 +135,20 @@ def main() -> int:
         print(f"quickstart: greedy outputs of prompts {differ} differ from no speculation", file=sys.stderr)
         return 1
     if not rounds:
-        print("quickstart: the Graft server reported no speculative verify rounds", file=sys.stderr)
+        print("quickstart: the Graft server reported no verify rounds", file=sys.stderr)
         return 1
-    print(f"quickstart: greedy Graft output identical to no speculation on {len(prompts)} prompts; "
-          f"tau {report['tau']}, grafted share {report['grafted_share']:.0%}, "
-          f"tokens/s x{report['tokens_per_s_ratio']} vs no speculation (greedy, concurrency {args.concurrency})")
+    print(f"quickstart: greedy Graft output identical to no speculation on {len(prompts)} prompts "
+          f"(greedy, concurrency {args.concurrency})")
+    if spec is None:
+        rounds_text = f"tau {report['tau_all_rounds']} over all decode rounds (/server_info has no round counters)"
+    elif spec["speculated_rounds"] == 0:
+        rounds_text = (f"0 of {spec['rounds']} decode rounds speculated: the batch budget ran every round "
+                       f"as a plain decode step, as speculating did not pay on this machine")
+    else:
+        rounds_text = (f"{spec['speculated_rounds']} of {spec['rounds']} decode rounds speculated, "
+                       f"tau {spec['speculated_tau']} in those (grafted share {report['grafted_share']:.0%}); "
+                       f"the other rounds were plain decode steps")
+    print(f"quickstart: tokens/s x{report['tokens_per_s_ratio']} vs no speculation; {rounds_text}")
     return 0
 
 
