@@ -19,12 +19,12 @@ width ``w`` for all requests from a small fixed set (``GraftConfig.verify_widths
   also corrects that lag and that selection bias (compared with the round's own curve instead, the
   budget kept choosing 24-wide rounds at near break-even). A request that opted out of speculation
   gains 1 whatever ``w``.
-* **Cost, measured on the serving device.** ``t(bucket, w)``: the median of the last ``time_window``
+* **Cost, measured on the serving device.** ``t(bucket, w)``: the median of the last `TIME_WINDOW`
   wall times of rounds run at width ``w`` with a batch in the same power-of-two size bucket, measured
   by the engine adapter between round launches (no device read: under the overlap scheduler the
   launch period is the round time). A median, not a moving average: a launch-to-launch time
-  sometimes spans an idle gap or a first-use warm-up (seen: one 800 ms sample among 23-37 ms rounds
-  priced the full width out for the rest of a run). A (bucket, width) with fewer than
+  sometimes spans an idle gap or a first-use warm-up, and one such sample must not price a width
+  out for the rest of a run. A (bucket, width) with fewer than
   ``min_samples`` measurements is priced by a cost model fitted on all the others
   (`BatchBudget.cost_model`: the bucket's plain-round time + a draft cost + a verify cost per extra
   token), so a new batch size is not explored width by width: the base width is measured in every
@@ -61,12 +61,14 @@ _CORRECTION_RANGE = (0.2, 1.5)
 _GAIN_EMA = 0.05
 #: pseudo accepted nodes at the global correction behind every per-(bucket, width) correction
 _WIDTH_PSEUDO_NODES = 8.0
+#: Round times kept per (batch-size bucket, width); their median is the width's cost.
+TIME_WINDOW = 16
 #: per round since a request's gain curve was observed, the weight left on it against the mean curve
 _STALE_DECAY = 0.9
 #: speculative request-rounds over which the correction's evidence weight ramps from 0 to 1: the
 #: first rounds are priced by a calibrator at its priors, and their promise says nothing about the
-#: calibrator that follows (seen: 7 cold rounds realised a third of it, the correction froze at 0.33
-#: and, refreshed only by speculative rounds, kept 2217 later rounds plain where N 24 paid)
+#: calibrator that follows (a correction frozen low by cold rounds, refreshed only by speculative
+#: rounds, would keep a request plain for good)
 _WARM_REQUEST_ROUNDS = 128
 #: pseudo accepted nodes at ratio 1 behind the global correction
 _GLOBAL_PSEUDO_NODES = 2.0
@@ -206,9 +208,7 @@ class BatchBudget:
     def _gain_curve(self, rid: Hashable) -> np.ndarray:
         """The request's last observed gain curve, moved toward the population mean by
         ``_STALE_DECAY`` per round since it was observed: a curve is refreshed only by a speculative
-        round, so without the decay a request whose last tree was poor stays at width 1 for good
-        (seen: 24-wide rounds realising 245 tokens/s against 141 for plain ones at concurrency 4,
-        while 306 of 327 rounds were plain)."""
+        round, so without the decay a request whose last tree was poor stays at width 1 for good."""
         own = self._curve.get(rid)
         if own is None:
             return self._mean_curve
@@ -297,7 +297,7 @@ class BatchBudget:
     def _time(self, bucket: int, width: int) -> _Timing:
         t = self._timing.get((bucket, width))
         if t is None:
-            t = self._timing[(bucket, width)] = _Timing(deque(maxlen=self.config.time_window))
+            t = self._timing[(bucket, width)] = _Timing(deque(maxlen=TIME_WINDOW))
         return t
 
     # ------------------------------------------------------------------ measurements
@@ -321,12 +321,9 @@ class BatchBudget:
         was timed as part of that round. Per plain round it is charged as a stretch as long as the
         window (``max(widths)`` rounds, the most a request waits) pays it, whatever it covered: a
         catch-up is mostly one draft extend's fixed cost, so a plain round between speculative ones
-        pays a whole extend, and charging that made plain rounds dearer the more the budget
-        speculated (seen at concurrency 1, code greedy: 7 ms owed on 18-25 ms plain rounds, 12-wide
-        rounds bought at 53 tokens/s where no-spec read 57, docs/bench/issue15_v5i.json). A choice
-        of width 1 is a choice to leave speculation, and leaving it makes the stretch. Shipped pair,
-        concurrency 1, chat greedy, 48 tokens: with the catch-up out of the round times, 12-wide
-        rounds still time 76-88 ms against 21-22 ms plain (draft and graft step on the 2-core CPU)."""
+        pays a whole extend, and charging that would make plain rounds dearer the more the budget
+        speculated. A choice of width 1 is a choice to leave speculation, and leaving it makes the
+        stretch."""
         if rounds <= 0 or seconds <= 0:
             return
         bucket = size_bucket(batch_size)

@@ -28,54 +28,32 @@ calibration needs. After every verify, each member of each verified
 non-root node adds one trial to its bin and one hit if the node lies on the accepted path (a node
 proposed by several retrieval sources credits every one of them).
 
-With ``calibration.agreement`` (on with the output index), a node the draft *and* a retrieval source
-proposed (an agreement node) is its own member, ``agree``: its bins are the draft bins' axes (depth,
-draft probability), it is priced by its own estimate (`graft.merge_select`) and credited instead of
-the draft bin. The draft bins then learn
-the acceptance of draft-only nodes, which is what they price when the draft proposes alone; before,
-they learnt a mix of both (with the output index on: 0.31 observed vs 0.23 estimated on the quick
-pair, while 9 of 1,394 accepted tokens were draft-only), and pricing agreement by the larger of the
-two single-source estimates instead underprices it (measured: greedy code tau -4 to -6%,
-docs/bench/issue12_quick_draft_only_credit.json). When a bin reaches ``halve_at`` trials its
+With ``calibration.agreement`` (on for the rows that get the output index), a node the draft *and*
+a retrieval source proposed (an agreement node) is its own member, ``agree``: its bins have the
+draft bins' axes (depth, draft probability), it is priced by its own estimate (`graft.merge_select`)
+and credited instead of the draft bin, so the draft bins learn the acceptance of draft-only nodes,
+which is what they price when the draft proposes alone. When a bin reaches `HALVE_AT` trials its
 counts are halved, so the estimate tracks drift with a memory of a few thousand trials.
 
 **Source correction.** A bin learns slowly where it is sparse or its history is long, and a whole
-source can change its acceptance at once: when the output index starts to hold earlier answers to the
-prompts now being served, every outputs / successor node becomes likelier than its bin remembers
-(quick pair, the server test's second pass over the same 24 prompts: outputs 0.77 estimated vs 0.93
-observed, successor 0.72 vs 0.98, each bin still averaging the first pass). So each (mode, member)
-keeps a short window (``source_window`` trials, halved beyond) of its verified nodes' trials ``T``,
-sum of bin estimates ``E`` and hits ``H``, and its bins' estimates ``b`` are corrected linearly so
-that the window's mean estimate equals its observed rate: ``b * (H + a e) / (E + a e)`` where the
-source is over-estimated (scales hits, never above ``b``), ``1 - (1 - b) * (T - H + a (1 - e)) /
-(T - E + a (1 - e))`` where it is under-estimated (scales misses, never above 1), with ``e = E / T``;
-both are the identity when ``H = E`` and monotone in ``b``, so the ranking within a source is the
-bins'. The ``a`` (= 8) pseudo-trials of calibrated data (hits and misses at the window's estimated
-rate ``e``) keep a source with few trials at its bins' estimates. This is a one-parameter
-recalibration per source on top of the bins (Platt-style, but linear so that the mean is exact), on
-for every source and mode by default (``calibration.source_window``, where the measurements are).
-On top of it each request corrects the retrieval sources by its own window
+source can change its acceptance at once (the output index starts to hold earlier answers to the
+prompts now served, and every outputs / successor node becomes likelier than its bin remembers).
+So each (mode, member) keeps a short window (``source_window`` trials, halved beyond) of its
+verified nodes' trials ``T``, sum of bin estimates ``E`` and hits ``H``, and its bins' estimates
+``b`` are corrected linearly so that the window's mean estimate equals its observed rate:
+``b * (H + a e) / (E + a e)`` where the source is over-estimated (scales hits, never above ``b``),
+``1 - (1 - b) * (T - H + a (1 - e)) / (T - E + a (1 - e))`` where it is under-estimated (scales
+misses, never above 1), with ``e = E / T``; both are the identity when ``H = E`` and monotone in
+``b``, so the ranking within a source is the bins'. The ``a`` (`Calibrator.SOURCE_PSEUDO_TRIALS`)
+pseudo-trials of calibrated data keep a source with few trials at its bins' estimates. This is a
+one-parameter recalibration per source on top of the bins (Platt-style, but linear so that the mean
+is exact). On top of it each request corrects the retrieval sources by its own window
 (request_correction.py, ``calibration.request_window``), with the same map (`linear_correction`).
 
-**Short window** (``calibration.source_half_life``, off by default). A window of 256 trials is a
-few dozen rounds of a dense source (draft, lookup: 5-10 verified nodes a round at batch 1) but
-several hundred of a sparse one (the suffix index: under one trial a round), so after a change of
-workload a sparse source keeps the old rate for most of a 200-round run: on the shipped pair's
-issue-12 runs the suffix source's mean estimate sat between the previous prompt set's observed rate
-and its own (chat greedy after code greedy: 0.391 estimated, 0.235 observed, code's 0.466), and
-``scripts/simulate_source_lag.py`` (this class, one source at 0.8 trials a round, chained hits)
-reproduces it (0.364 / 0.244). A shorter window by trials does not remove it (64 trials left the
-suffix 0.05-0.08 off, docs/benchmark.md): with few trials it shrinks toward the bins' estimates,
-which are the slow part. With a half-life each (mode, member) keeps a second window, multiplied
-by ``0.5 ** (1 / half_life)`` every verified round (and halved beyond ``source_window`` trials),
-whose correction (with ``source_short_pseudo_trials``) is fitted to and applied after the long
-window's, so with few trials it stays at the long window's estimate instead of the bins'.
-Simulated: 0.364 -> 0.273 (16 rounds) and 0.279 (32) against 0.244 observed.
-On the benches it removed the shipped pair's suffix misses but cost greedy tau (docs/benchmark.md,
-"The suffix source's calibration miss"), so it is off. The chat greedy suffix miss is not only this
-lag: a fresh server serving chat alone over-estimates the suffix too (0.403 / 0.278), and neither a
-short window on the sparse sources nor a prior scaled by its block's record removed it without
-costing tau (docs/benchmark.md, "The chat greedy suffix over-estimate is not a lag").
+**The estimate table** lives in a persistent buffer (`Calibrator.table`): `GraftPlanner.observe`
+refreshes it in place after every verified round (`Calibrator.refresh`) and every build reads it.
+Nothing a build reads is assigned from Python, so a build captured in a CUDA graph keeps reading
+the current table on replay.
 
 Everything here is a static-shape torch function of device tensors: no host reads, no
 data-dependent control flow; the tables live on the engine's device.
@@ -92,7 +70,7 @@ __all__ = [
     "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
     "MEMBER_AGREE", "NUM_MEMBERS",
     "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
-    "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator", "linear_correction", "apply_correction",
+    "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator", "linear_correction", "apply_correction",
 ]
 
 MEMBER_DRAFT = 0      #: proposed by the draft model
@@ -116,6 +94,10 @@ MATCH_EDGES = (1, 2, 4, 8, 16, 32)
 _RETRIEVAL_DECAY = 0.85
 #: Per-depth decay from a retrieval bin to the next deeper depth bin's prior (see `Calibrator.estimates`).
 CHAIN_DECAY = 0.95
+#: Pseudo-trials of every bin's prior (small: the data takes over fast).
+PRIOR_WEIGHT = 2.0
+#: A bin's counts are halved once its trials exceed this (memory for drift).
+HALVE_AT = 4096.0
 #: Middle depth of each depth bin (for the chained prior's decay over the bin's width).
 _DEPTH_MID = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)
 
@@ -219,9 +201,6 @@ class Calibrator:
         halve_at: a bin's counts are halved once its trials exceed this.
         source_window: trials per (mode, member source) over which the source correction is
             measured (halved beyond); 0 turns the correction off.
-        source_half_life: verified rounds after which the short window has halved (0: no short
-            window, the long one alone).
-        short_pseudo_trials: pseudo-trials of the short window's correction (> 0).
         device: where the tables live.
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
@@ -231,32 +210,22 @@ class Calibrator:
         depth_stats: ``float64[max_depth + 1, 2]`` cumulative (trials, hits) per node depth.
         recent: ``float32[2 * NUM_MEMBERS + 1, 3]`` the source correction's window (trials, sum of
             bin estimates, hits) per (mode, member); last row: dump.
-        recent_short: the same rows for the short window (trials, sum of the estimates after the
-            long window's correction, hits), or None without one.
+        table: ``float32[size + 1]`` the estimate table every build prices with (`refresh`).
     Raises:
-        ValueError: ``prior_weight <= 0``, ``source_window < 0``, ``source_half_life < 0`` or
-            ``short_pseudo_trials <= 0``.
+        ValueError: ``prior_weight <= 0`` or ``source_window < 0``.
     """
 
     #: Pseudo-trials of the source correction (module docstring).
     SOURCE_PSEUDO_TRIALS = 8.0
 
-    def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = 2.0,
-                 halve_at: float = 4096.0, max_depth: int = 64, device: torch.device | str = "cpu",
-                 source_window: float = 256.0, source_half_life: float = 0.0,
-                 short_pseudo_trials: float = 2.0):
+    def __init__(self, layout: BinLayout, successor_prior: torch.Tensor, prior_weight: float = PRIOR_WEIGHT,
+                 halve_at: float = HALVE_AT, max_depth: int = 64, device: torch.device | str = "cpu",
+                 source_window: float = 256.0):
         if prior_weight <= 0:
             raise ValueError("Calibrator: prior_weight must be > 0")
         if source_window < 0:
             raise ValueError("Calibrator: source_window must be >= 0")
-        if source_half_life < 0:
-            raise ValueError("Calibrator: source_half_life must be >= 0")
-        if short_pseudo_trials <= 0:
-            raise ValueError("Calibrator: short_pseudo_trials must be > 0")
         self.source_window = float(source_window)
-        self.short_pseudo_trials = float(short_pseudo_trials)
-        #: the short window's factor per verified round (None: no short window)
-        self.round_decay = 0.5 ** (1.0 / source_half_life) if source_half_life > 0 and source_window > 0 else None
         self.layout, self.w, self.halve_at = layout, float(prior_weight), float(halve_at)
         self.device = torch.device(device)
         self.max_depth = max_depth
@@ -286,10 +255,11 @@ class Calibrator:
         self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
         self._group = self._source_groups()
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
-        self.recent_short = torch.zeros_like(self.recent) if self.round_decay is not None else None
-        self._long: torch.Tensor | None = None      # the long window's corrected table (short window's base)
-        self._base: torch.Tensor | None = None      # bin estimates behind the last `estimates` table
-        self._latest: torch.Tensor | None = None    # the last `estimates` table (`latest`)
+        # persistent tables, written in place by `refresh` (a captured build reads them at fixed
+        # addresses, and no Python assignment has to run again under replay)
+        self.table = torch.zeros(n, device=self.device)   # the estimates every build prices with
+        self._base = torch.zeros(n, device=self.device)   # bin estimates behind `table` (before correction)
+        self.refresh()
 
     def _source_groups(self) -> torch.Tensor:
         """``int64[size + 1]``: the (mode, member) row of `recent` every bin belongs to."""
@@ -356,24 +326,27 @@ class Calibrator:
         mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_MEMBERS), draft.sqrt()])
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
-    def estimates(self) -> torch.Tensor:
-        """``float32[size + 1]``: posterior means ``(hits + w * prior) / (trials + w)``; the dump bin
-        is 0. Computed once per round (a fixed ~40 small ops on the table).
+    def refresh(self) -> torch.Tensor:
+        """Recompute the estimate table from the counts, in place, and return it: `table`
+        ``float32[size + 1]``, the posterior means ``(hits + w * prior) / (trials + w)`` through the
+        source correction; the dump bin is 0. `GraftPlanner.observe` calls it once per verified round,
+        after the counts changed; a build reads `table` and computes nothing. The table and the bin
+        estimates behind it (which `update` credits the source window with) are persistent buffers
+        written with ``copy_``, so a captured build or observe keeps reading and writing the same memory under
+        CUDA-graph replay.
 
         Retrieval bins (suffix, corpus, lookup, outputs) chain their prior along depth: the prior of depth bin
         d is the *estimate* of bin d-1 (same member, mode, probability and match bins) times
         ``CHAIN_DECAY`` per depth step, and only the shallowest bin uses the fixed prior. A fixed
         prior that falls with depth is never explored where it is too low: on repetitive text a
         depth-20 lookup node is accepted almost surely, but a 0.85**20 prior keeps it below every
-        draft node, it is never selected, never tried and never corrected (measured: graft stopped at
-        tau 13.7 where retrieval-only reached 18.0). Chained, each deeper bin starts just below its
+        draft node, it is never selected, never tried and never corrected. Chained, each deeper bin starts just below its
         tried neighbour, gets selected when its neighbour is good, and is corrected by its own trials.
 
         Agreement bins (a draft node a retrieval source also proposed) scale their prior by their
         block's observed over expected hits so far (per mode, ``(hits + 1) / (sum trials * prior +
         1)``): they are sparse (depth x draft probability) and their ``sqrt(q)`` prior is far below
-        what agreement is worth, so a bin seen a few times would lag its rate (measured on the quick
-        pair's server test: 0.342 estimated vs 0.400 observed over 1,325 trials without the scaling).
+        what agreement is worth, so a bin seen a few times would lag its rate.
         """
         est = (self.hits + self.w * self.prior) / (self.trials + self.w)
         # agreement bins: the prior scaled by the block's observed / expected hits (per mode)
@@ -384,9 +357,13 @@ class Calibrator:
                              ((ah + self.w * (ap * ratio).clamp(max=0.99)) / (at + self.w)).reshape(-1))
         est = est.index_copy(0, self._retr_idx.reshape(-1), self._chained(est[self._retr_idx[:, :, :1]]).reshape(-1))
         est = torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
-        self._base = est
-        self._latest = self._source_corrected(est)
-        return self._latest
+        self._base.copy_(est)
+        return self.table.copy_(self._source_corrected(est))
+
+    def estimates(self) -> torch.Tensor:
+        """The fresh estimate table: `refresh` (for callers that changed the counts by `update`
+        themselves)."""
+        return self.refresh()
 
     def _chained(self, first: torch.Tensor) -> torch.Tensor:
         """The chained retrieval estimates ``float32[2, R, D, Q*M]`` (`estimates`), from the shallowest
@@ -413,35 +390,15 @@ class Calibrator:
         return a
 
     def latest(self) -> torch.Tensor:
-        """The table the last `estimates` call returned (computed now if there was none): for a
-        round that prices nothing (a plain, width-1 round), which needs a table of the right shape
-        but not a fresh one."""
-        return self._latest if self._latest is not None else self.estimates()
+        """The estimate table as of the last `refresh` (`table`), without recomputing it."""
+        return self.table
 
     def _source_corrected(self, base: torch.Tensor) -> torch.Tensor:
         """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""
         if self.source_window <= 0:
             return base
-        long = self._corrected_by(self.recent, base, self.SOURCE_PSEUDO_TRIALS)
-        if self.recent_short is None:
-            return long
-        self._long = long
-        return self._corrected_by(self.recent_short, long, self.short_pseudo_trials)
-
-    def _corrected_by(self, window: torch.Tensor, table: torch.Tensor, pseudo_trials: float) -> torch.Tensor:
-        """``table`` ``float32[size + 1]`` through the `linear_correction` of a source window
-        (`recent` or `recent_short`), each bin by its (mode, member) row."""
-        scale, under = linear_correction(*window.unbind(1), pseudo_trials)
-        return apply_correction(table, scale[self._group], under[self._group])
-
-    def _credit_window(self, window: torch.Tensor, priced: torch.Tensor, rows: torch.Tensor,
-                       valid: torch.Tensor, hit: torch.Tensor, decay: float) -> None:
-        """Add one round to a source window in place: per node ``(valid, priced * valid, hit)`` into
-        its (mode, member) row ``rows``, the dump row emptied, then the window halved where it holds
-        over ``source_window`` trials and multiplied by ``decay`` elsewhere."""
-        window.index_add_(0, rows, torch.stack([valid, priced * valid, hit], dim=1))
-        window[-1].fill_(0.0)
-        window.mul_(torch.where(window[:, :1] > self.source_window, 0.5, decay))
+        scale, under = linear_correction(*self.recent.unbind(1), self.SOURCE_PSEUDO_TRIALS)
+        return apply_correction(base, scale[self._group], under[self._group])
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
@@ -475,12 +432,10 @@ class Calibrator:
         self.trials.mul_(scale)
         self.hits.mul_(scale)
         if self.source_window > 0:  # the source correction's window, priced with the bins' own estimates
-            rows, v = self._group[flat], valid.reshape(-1).float()
-            base = (self._base if self._base is not None else estimates).gather(0, flat)
-            self._credit_window(self.recent, base, rows, v, hit, 1.0)
-            if self.recent_short is not None:  # the short window, priced with the long window's estimates
-                long = (self._long if self._long is not None else estimates).gather(0, flat)
-                self._credit_window(self.recent_short, long, rows, v, hit, self.round_decay)
+            v = valid.reshape(-1).float()
+            self.recent.index_add_(0, self._group[flat], torch.stack([v, self._base.gather(0, flat) * v, hit], dim=1))
+            self.recent[-1].fill_(0.0)                                   # the dump row
+            self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
         # metrics: per member source and per depth (cumulative, never halved)
         est = estimates.gather(0, flat).view_as(bins)
         if factors is not None:  # the metrics compare what the round was priced with

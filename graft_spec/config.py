@@ -92,7 +92,7 @@ class RetrievalConfig(BaseModel):
     Successor table (token recycling, on the engine's device): ``[V, successor_k]`` int32, row t =
     target's top-k after token t. Candidate subtrees are expanded from the root token with a
     rank template of ``min(max_candidates, N - 1)`` slots whose prior path acceptance is the
-    product of ``successor_prior * successor_rank_decay**rank`` until the calibrator has data
+    product of ``successor_prior * 0.5**rank`` (`SuccessorTable`'s rank decay) until the calibrator has data
     (see retrieval/successor.py).
 
     Suffix index (host): per-request counting trie over prompt + generated tokens, depth
@@ -113,23 +113,20 @@ class RetrievalConfig(BaseModel):
     reach it (retrieval/output_ring.py). ``"greedy"``: only greedy rows get its candidates, and the
     calibration that comes with it (agreement bins, the source correction; `CalibrationConfig`) applies
     to greedy rows only; the index then holds greedy requests' outputs only (a sampled answer after an
-    m-gram is a draw, where a greedy row needs the greedy continuation; ``"on"`` holds both). Measured with the issue-12
-    command (docs/benchmark.md): on greedy rows the index lifts graft where earlier answers repeat
-    (quick pair chat greedy N 24 6.51 -> 7.84, shipped code greedy 4.60 -> 4.95); on sampled rows,
-    whose completions rarely recur (distinct-4 0.95-1.00), it cost the shipped pair's code cells
-    3.55 -> 3.20 (N 24) and 3.77 -> 3.54 (N 60) while calibrated on average.
+    m-gram is a draw, where a greedy row needs the greedy continuation; ``"on"`` holds both).
+    Sampled completions rarely recur, so by default sampled rows neither feed nor read the index.
 
     Isolation: the successor table and the output index are the retrieval state learnt across
     requests (the suffix index and lookup are per request; the corpus is static). With
     ``isolation: shared`` (default) every request learns from and benefits from all traffic;
     ``tenant`` gives each tenant (SGLang: the request's ``extra_key``) its own table and output
     index, up to ``max_tenants`` at once (the least recently used group is reset and reused);
-    ``request`` gives each request its own hashed table of ``request_table_rows`` rows and turns the
+    ``request`` gives each request its own hashed table (`REQUEST_TABLE_ROWS` rows, pipeline.py) and turns the
     output index off. Sharing speeds up common text; isolation keeps one tenant's text from
     changing another's acceptance timing (a known side channel of speculative decoding).
 
     Lookup (device): the last ``history_len`` committed tokens of every request stay on the
-    device; the context's tail (up to ``lookup_max_match`` tokens) is matched within them and the
+    device; the context's tail (up to `LOOKUP_MAX_MATCH` tokens, retrieval/lookup.py) is matched within them and the
     continuation proposed as a chain of up to N - 1 tokens (loops wrap around), with no lag behind
     the device (retrieval/lookup.py). The same window re-anchors the host proposals.
 
@@ -143,7 +140,6 @@ class RetrievalConfig(BaseModel):
     successor_k: int = Field(default=8, ge=1, le=64)
     successor_max_depth: int = Field(default=8, ge=1, le=64)
     successor_prior: float = Field(default=0.4, gt=0.0, lt=1.0)
-    successor_rank_decay: float = Field(default=0.5, gt=0.0, lt=1.0)
 
     suffix: bool = True
     suffix_max_depth: int = Field(default=64, ge=2, le=256)
@@ -165,10 +161,8 @@ class RetrievalConfig(BaseModel):
     isolation: Literal["shared", "tenant", "request"] = Field(
         default="shared", description="who shares the successor table and output index: everyone, a tenant, a request")
     max_tenants: int = Field(default=8, ge=1, le=4096, description="tenant groups (least recently used reused)")
-    request_table_rows: int = Field(default=4096, ge=64, description="hashed rows per request group")
 
     lookup: bool = True
-    lookup_max_match: int = Field(default=8, ge=1, le=64)
     history_len: int = Field(default=256, ge=16, le=65536,
                              description="committed tokens kept per slot on the device (lookup, re-anchoring)")
 
@@ -221,10 +215,7 @@ class GraftPolicy(BaseModel):
             pruned draft nodes before padding is used.
         exclusive_siblings: where to cap every node's estimate by its parent's minus those of its
             higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``):
-            ``"greedy"`` rows only (default), ``"always"`` or ``"never"``. Greedy rows by default:
-            there it lifts the looping quick pair above retrieval-only and costs the shipped pair
-            1-5 % tau (still ahead of every peer); on sampled rows it costs the shipped pair up to
-            13 % (docs/benchmark.md, issue 12).
+            ``"greedy"`` rows only (default), ``"always"`` or ``"never"``.
     """
 
     model_config = _STRICT
@@ -239,52 +230,22 @@ class CalibrationConfig(BaseModel):
     """Online calibration of the estimated path acceptance (calibration.py).
 
     Fields:
-        prior_weight: pseudo-trials of each bin's prior (> 0); small = the data takes over fast.
-        halve_at: a bin's counts are halved once its trials exceed this (memory for drift).
         source_window: trials per member source (and mode) over which the source correction
-            measures its mean estimated vs observed acceptance (calibration.py "Source
-            correction"); 0 = off. On every row: quick pair, server test workload (24 code
-            prompts at c1, then again at c8; greedy, N 24, synchronous), with the output index,
-            mean estimated / observed per source after both passes went from successor 0.52 /
-            0.62, outputs 0.57 / 0.66, agree 0.48 / 0.60 to 0.56 / 0.59, 0.66 / 0.70, 0.57 /
-            0.62, tau 10.97 -> 10.45 at c1 and 18.96 -> 19.20 at c8. On sampled rows (quick
-            pair, chat, T 0.8, 12 prompts x 6 seeds, N 24 / 60): lookup 0.053 / 0.044 and
-            0.049 / 0.028 without it, 0.027 / 0.045 and 0.020 / 0.022 with it, tau 1.581 /
-            1.656 without, 1.579 / 1.648 with (seed noise).
-        source_half_life: the source correction's second, short window (calibration.py, "Short
-            window"): verified rounds after which it has halved (it is multiplied by
-            ``0.5 ** (1 / source_half_life)`` every verified round, and halved beyond
-            ``source_window`` trials too), so a sparse source (the suffix index: under one trial a
-            round) follows a change of workload within a few dozen rounds instead of a few hundred;
-            0 = one window, by trials only (the default). Measured with the issue-12 command,
-            graft only, N 24 (docs/benchmark.md, "The suffix source's calibration miss"): on the
-            shipped pair suffix misses 3 -> 0 (32 rounds) per run, tau within a run's noise except
-            code greedy (4.68 -> 4.57); on the quick pair greedy tau fell 4-5% (code 6.35 -> 6.10,
-            chat 12.59 -> 12.00) with no fewer misses. Given to suffix and corpus alone (8ead1f3,
-            reverted) it left the suffix misses as they were (docs/benchmark.md, "The chat greedy
-            suffix over-estimate is not a lag"). So it stays off.
-        source_short_pseudo_trials: pseudo-trials that hold the short window's correction near the
-            long window's estimate while it has few trials (> 0).
+            measures its mean estimated vs observed acceptance (calibration.py, "Source
+            correction"); 0 = off.
         request_window: rounds per request and retrieval source (successor, suffix, corpus, lookup,
             outputs) over which that request's own correction of the source's estimates is measured
-            (request_correction.py; a round is one trial); 0 = off. Measured: docs/benchmark.md
-            "Per-request correction".
+            (request_correction.py; a round is one trial); 0 = off.
         agreement: price and credit a draft node a retrieval source also proposed in agreement bins
             of its own instead of the draft bins (calibration.py); None = on exactly for the rows
-            that get the output index (``retrieval.outputs``). With the output index the retrieved
-            paths cover most draft nodes and the draft bins otherwise learn their acceptance (quick pair server test:
-            draft 0.21 estimated / 0.30 observed, 0.04 / 0.05 with agreement bins; tau 11.05 -> 11.21).
-            Without it, measured with the issue-12 command (docs/benchmark.md), tau moved -6% to +5%
-            per cell (shipped pair mean -0.8%, N 24 code sampled 3.55 -> 3.34), so it is not on there.
+            that get the output index (``retrieval.outputs``).
+
+    The bins' prior weight and memory are constants of calibration.py (`PRIOR_WEIGHT`, `HALVE_AT`).
     """
 
     model_config = _STRICT
 
-    prior_weight: float = Field(default=2.0, gt=0.0, le=1e6)
-    halve_at: float = Field(default=4096.0, ge=16.0)
     source_window: float = Field(default=256.0, ge=0.0)
-    source_half_life: float = Field(default=0.0, ge=0.0)
-    source_short_pseudo_trials: float = Field(default=2.0, gt=0.0, le=1e6)
     request_window: float = Field(default=64.0, ge=0.0)
     agreement: Optional[bool] = None
 
@@ -306,7 +267,6 @@ class BatchBudgetConfig(BaseModel):
             CPU, is not re-run every ``explore_every`` rounds to confirm it).
         min_samples: round times measured per (batch-size bucket, width) before its own median
             replaces the cost model's prediction (`graft_spec.budget.BatchBudget.cost_model`).
-        time_window: round times per (batch-size bucket, width) whose median is the width's cost.
         defer_draft_extend: plain (width-1) rounds skip the EAGLE draft extend; the draft catches
             up over the skipped tokens in one extend before the next drafting round (or when a
             request has ``max(widths)`` waiting). false = SGLang's behaviour, an extend every round.
@@ -322,7 +282,6 @@ class BatchBudgetConfig(BaseModel):
     explore_every: int = Field(default=64, ge=2, le=1_000_000)
     explore_margin: float = Field(default=0.25, ge=0.0, le=1.0)
     min_samples: int = Field(default=3, ge=1, le=1000)
-    time_window: int = Field(default=16, ge=1, le=4096)
     defer_draft_extend: bool = True
     schedule: tuple[int, ...] = ()
 

@@ -1,10 +1,8 @@
-"""The graft step replayed from CUDA graphs: one launch per round instead of ~1,100 eager kernels.
+"""The graft step replayed from CUDA graphs: one launch per round instead of ~1,000 eager kernels.
 
-`GraftPlanner.build` is static-shape and sync-free (step.py), so it can be captured. Measured on one
-H100 (scripts/bench_step_cuda.py, Qwen3 vocabulary, build + bookkeeping per round): eagerly the
-round costs 19-29 ms of launch-bound time for ~1,100 small kernels; replayed from a graph 1.6-3.3
-ms, with trees equal to the eager ones. An 8B target's verify forward is a few ms, so the eager
-step would dominate every round; SGLang captures its own draft forwards and tree build the same way
+`GraftPlanner.build` is static-shape and sync-free (step.py), so it can be captured; eagerly its
+~1,000 small kernels are launch-bound (scripts/bench_step_cuda.py times both on a GPU; figures in
+docs/benchmark.md). SGLang captures its own draft forwards and tree build the same way
 (``cuda_graph_runner``, ``eagle_draft_cuda_graph_runner.py``).
 
 `StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
@@ -23,14 +21,16 @@ eager `GraftPlanner.build`: same function, same result.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .pipeline import GraftPlanner
 from .retrieval.buffer import HostCandidates
 from .step import DraftCandidates, StepOutput
 from .tree import DraftTree
+
+if TYPE_CHECKING:  # pipeline.py imports this module
+    from .pipeline import GraftPlanner
 
 __all__ = ["StepGraphs"]
 
@@ -60,12 +60,12 @@ class _Static:
 
 
 def _rows(out: StepOutput, b: int) -> StepOutput:
-    """Clones of the first ``b`` rows of a replayed `StepOutput` (estimates: the whole table; factors: their
-    first ``b`` rows)."""
+    """Clones of the first ``b`` rows of a replayed `StepOutput` (estimates: the calibrator's persistent
+    table itself, which the build reads and `GraftPlanner.observe` refreshes; factors: their first ``b`` rows)."""
     tree = DraftTree(*(t[:b].clone() for t in (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source)))
     cut = lambda t: None if t is None else t[:b].clone()  # noqa: E731
     return StepOutput(tree, cut(out.member_bins), cut(out.depth), cut(out.positions), cut(out.mask),
-                      cut(out.first_child), cut(out.next_sibling), out.estimates.clone(), cut(out.groups),
+                      cut(out.first_child), cut(out.next_sibling), out.estimates, cut(out.groups),
                       cut(out.gain), None if out.factors is None else tuple(cut(t) for t in out.factors))
 
 

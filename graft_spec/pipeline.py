@@ -12,6 +12,13 @@ Per decode round (paper Algorithm 1/2), host work first, device work after:
     planner.extend(req_id, tokens)
 
 plus ``start_request`` with the prompt and ``stop_request`` when a request finishes or is aborted.
+
+This module is the one door of the core: engine adapters import it and `graft_spec.config` only.
+Besides the planner it exports the data types that cross the door (`DraftCandidates`,
+`HostCandidates`, `StepOutput`, `DraftTree`, `RoundStats`), the host-side controllers an adapter
+drives (`BatchBudget`, `DraftStopGate`, `StepGraphs`), the names of the tree sources and calibration
+members, and the reference tree / verify functions an engine's CPU execution layer runs in place of
+its device kernels.
 The host may lag the device by a round (overlap scheduler): proposals are anchored at the context
 the host knows, and the step re-anchors them on the device (step.py). ``observe`` only touches
 device state (calibration counts, successor table, token history).
@@ -25,9 +32,13 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from .calibration import BinLayout, Calibrator
+from .budget import BatchBudget
+from .calibration import MEMBER_NAMES, BinLayout, Calibrator
+from .chain import best_chain, spine_tree
 from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
+from .graphs import StepGraphs
+from .prune import DraftStopGate
 from .retrieval.buffer import HostCandidateBuffer, HostCandidates
 from .retrieval.corpus import CorpusIndex
 from .retrieval.output_ring import OutputRing
@@ -35,10 +46,29 @@ from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
 from .request_correction import RequestCorrection
-from .step import DraftCandidates, GraftStep, StepOutput
-from .tree import SOURCE_PADDING, DraftTree, node_depths, path_min, pointer_jumps
+from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
+from .tree import (NUM_SOURCES, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
+                   ancestor_mask, eagle_step, node_depths, parents_from_mask, path_min, pointer_jumps,
+                   sibling_links)
+from .verify import greedy_verify, sample_verify
 
-__all__ = ["GraftPlanner", "RoundRetrieval", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens"]
+#: Successor-table rows (hashed) of each request's own group under ``retrieval.isolation: request``.
+REQUEST_TABLE_ROWS = 4096
+
+__all__ = [
+    # the planner and what a round returns
+    "GraftPlanner", "RoundRetrieval", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens",
+    # data crossing the door
+    "DraftCandidates", "HostCandidates", "StepOutput", "DraftTree", "dense_draft_candidates",
+    "tree_draft_candidates",
+    # host-side controllers an adapter drives
+    "BatchBudget", "DraftStopGate", "StepGraphs",
+    # names: tree node sources and calibration members
+    "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES", "MEMBER_NAMES",
+    # reference tree / verify functions (an engine's CPU execution layer) and chain verification
+    "ancestor_mask", "node_depths", "sibling_links", "parents_from_mask", "eagle_step", "greedy_verify",
+    "sample_verify", "best_chain", "spine_tree",
+]
 
 
 def on_path_from_accept_index(accept_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -134,7 +164,7 @@ class RoundRetrieval:
     """What one eager round's stop gate computed before drafting and its build reuses.
 
     Attributes:
-        est: ``float32[bins]`` `Calibrator.estimates` of the round.
+        est: ``float32[bins]`` the calibrator's estimate table of the round (`Calibrator.table`).
         hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' token windows (`TokenHistory.gather`).
         factors: the rows' per-request correction (`RequestCorrection.factors`), or None.
         parts: `GraftStep.retrieve`'s priced candidates, one tuple of ``[B, C_i]`` tensors per source.
@@ -172,17 +202,14 @@ class GraftPlanner:
         self.groups = GroupMap(groups)
         self.successor = (SuccessorTable(vocab_size, k=r.successor_k, max_depth=r.successor_max_depth,
                                          size=min(r.max_candidates, n - 1), prior=r.successor_prior,
-                                         decay=r.successor_rank_decay, groups=groups,
-                                         rows=r.request_table_rows if r.isolation == "request" else None,
+                                         groups=groups,
+                                         rows=REQUEST_TABLE_ROWS if r.isolation == "request" else None,
                                          device=self.device)
                           if r.successor else None)
         slots = self.successor.size if self.successor else 0
         prior = self.successor.slot_prior if self.successor else torch.zeros(0)
-        self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, config.calibration.prior_weight,
-                                     config.calibration.halve_at, max_depth=max(n, 64), device=self.device,
-                                     source_window=config.calibration.source_window,
-                                     source_half_life=config.calibration.source_half_life,
-                                     short_pseudo_trials=config.calibration.source_short_pseudo_trials)
+        self.calibrator = Calibrator(BinLayout(config.depth, slots), prior, max_depth=max(n, 64), device=self.device,
+                                     source_window=config.calibration.source_window)
         #: per-request windows of the retrieval sources' acceptance (request_correction.py)
         self.request_correction = RequestCorrection(max_slots, config.calibration.request_window,
                                                     device=self.device)
@@ -284,6 +311,13 @@ class GraftPlanner:
         return max(len(self._seen), self.retriever.live_requests(),
                    self.outputs.live_requests() if self.outputs is not None else 0)
 
+    def retrieval_sources(self) -> list:
+        """Every retrieval source object of this planner: the host sources (`Retriever.sources`),
+        then the successor table and the output index when enabled (stats endpoints read their
+        ``memory_bytes`` / ``live_requests``)."""
+        extra = [x for x in (self.successor, self.outputs) if x is not None]
+        return list(self.retriever.sources) + extra
+
     def memory_bytes(self) -> int:
         """Approximate bytes held by the retrieval sources (host) and the successor table (device)."""
         return (self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)
@@ -330,7 +364,7 @@ class GraftPlanner:
             r = retrieved
             return step(draft, roots, host, r.hist, r.count, seq_lens, sampled, r.est, r.factors, r.parts)
         hist, count = self.history.gather(slot_ids)
-        return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.estimates(),
+        return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.table,
                     self._factors(slot_ids))
 
     def _step(self, num_nodes: Optional[int]) -> GraftStep:
@@ -355,10 +389,60 @@ class GraftPlanner:
         self.history.reset(slot_ids, tokens, lens)
         self.request_correction.reset(slot_ids)
 
+    @property
+    def successor_k(self) -> int:
+        """How many of the target's top tokens `observe` takes per verified node (the successor
+        table's k); 0 without a successor table (pass ``target_topk=None``)."""
+        return self.successor.k if self.successor is not None else 0
+
+    def prefill(self, req_ids: Sequence[Hashable], slot_ids: torch.Tensor, contexts: Sequence[Sequence[int]],
+                first: torch.Tensor, extend_ids: Optional[torch.Tensor] = None,
+                extend_lens: Optional[Sequence[int]] = None,
+                tenants: Optional[Sequence[Optional[Hashable]]] = None) -> None:
+        """The device state of requests whose prefill just ran (engines that prefill in batches, as
+        SGLang does; call it once per prefill batch, not on the decode path).
+
+        Each slot's token window becomes the tail of its context followed by the first generated
+        token, its per-request correction window is emptied (`reset_slots`), and the bigrams of the
+        tokens the prefill extended warm-start the empty rows of each request's successor-table group
+        (`SuccessorTable.warm_start`, groups from `assign_group`).
+
+        Args:
+            req_ids: the batch's request ids; tenants: their tenant labels (None: the default).
+            slot_ids: ``int64[B]`` engine slots.
+            contexts: per request, the host token ids before the first generated token (prompt and
+                any output already committed).
+            first: ``int64[B]`` the first generated token of each request.
+            extend_ids: ``int64[T]`` the tokens the prefill ran, requests back to back, with
+                ``extend_lens`` per request; None skips the warm start.
+        """
+        width = self.history.length
+        rows = torch.zeros(len(contexts), width, dtype=torch.int64)
+        lens = torch.zeros(len(contexts), dtype=torch.int64)
+        for i, ctx in enumerate(contexts):
+            tail = list(ctx)[-width:]
+            rows[i, : len(tail)] = torch.tensor(tail, dtype=torch.int64)
+            lens[i] = len(tail)
+        dev = self.device
+        self.reset_slots(slot_ids, rows.to(dev, non_blocking=True), lens.to(dev, non_blocking=True))
+        first = first.reshape(-1).to(torch.int64)
+        self.history.append(slot_ids, first[:, None], torch.ones_like(first))
+        if self.successor is None or extend_ids is None or not extend_lens or extend_ids.numel() < 2:
+            return
+        ids = extend_ids.reshape(-1).to(torch.int64)
+        lens_t = torch.tensor(list(extend_lens), device=ids.device)
+        starts = lens_t.cumsum(0)
+        same = torch.ones(ids.numel() - 1, dtype=torch.bool, device=ids.device)   # a bigram within one request
+        same[(starts[:-1] - 1).clamp(0, ids.numel() - 2)] = False
+        tenants = tenants if tenants is not None else [None] * len(req_ids)
+        groups = torch.tensor([self.assign_group(r, t) for r, t in zip(req_ids, tenants)],
+                              device=ids.device).repeat_interleave(lens_t)
+        self.successor.warm_start(ids[:-1], ids[1:], same, groups[:-1])
+
     def plain(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> StepOutput:
         """The root-only `StepOutput` of a plain decode round (verify width 1), so its bookkeeping
         (`observe`: token history) runs the same way as a speculative round's."""
-        return StepOutput.root_only(roots, seq_lens, self.calibrator.latest())
+        return StepOutput.root_only(roots, seq_lens, self.calibrator.table)
 
     def stop_gate(self, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
                   seq_lens: torch.Tensor, sampled: torch.Tensor,
@@ -368,7 +452,7 @@ class GraftPlanner:
         (default N). The gate's ``retrieved`` (`RoundRetrieval`) holds what the floor was computed
         from; passed to `build` with the same inputs, the round computes its retrieved candidates
         once (before, the eager path computed them twice: ~1,000 of a round's ~2,600 step ops)."""
-        est = self.calibrator.estimates()
+        est = self.calibrator.table
         hist, count = self.history.gather(slot_ids)
         factors = self._factors(slot_ids)
         step = self._step(num_nodes)
@@ -381,8 +465,10 @@ class GraftPlanner:
     def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
                 committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
         """Device bookkeeping of a verified round (no host read): calibration counts, the slots'
-        per-request correction windows, successor table, and the committed tokens appended to the
-        slots' history.
+        per-request correction windows, successor table, the committed tokens appended to the
+        slots' history, and the calibrator's estimate table refreshed in place for the next build
+        (`Calibrator.refresh`; nothing the build reads is assigned from Python, so a captured build
+        replays correctly).
 
         Args:
             out: the round's `StepOutput`.
@@ -410,6 +496,7 @@ class GraftPlanner:
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),
                                   tree.source != SOURCE_PADDING, groups[:, None].expand_as(tree.tokens))
         self.history.append(slot_ids, committed, accept_len)
+        self.calibrator.refresh()
         # accepted nodes in path order = in index order (a path's nodes have increasing indices)
         n = tree.tokens.shape[1]
         idx = torch.arange(n, device=on_path.device)

@@ -6,9 +6,7 @@ property of the request: a prompt whose answer repeats its own text makes the su
 sources right most of the time, an open question almost never. A shared scale lags such a change by
 a window, and the lag is not neutral: a request the scale over-prices gets many of that source's
 nodes selected (many trials at too high a price), one it under-prices gets few, so the trial-weighted
-mean estimate leans high (measured on the shipped pair, issue-12 command: suffix 0.364 estimated vs
-0.218 observed on chat greedy N 24, outputs 0.141 vs 0.233 on code greedy N 24, both beyond two
-binomial standard errors, and a 64-trial source window did not remove them).
+mean estimate leans high, which no shorter shared window removes.
 
 So every engine slot (the request it holds) keeps its own window per member source: trials ``T``,
 sum of the estimates its nodes were priced with before this correction ``E`` (the bins' estimates
@@ -16,8 +14,8 @@ after the source correction) and hits ``H``, halved beyond ``window`` trials and
 request takes the slot (`reset`). A round adds one trial per member that proposed verified nodes,
 its nodes' mean estimate and hit rate: a retrieved chain's nodes fail together (a rejected node
 rejects its subtree), so twenty nodes of one chain are one observation, not twenty (counted per
-node, one failed chain of a long lookup match moved the request's price as far as twenty
-independent misses would, and the sources ended under-priced: docs/benchmark.md).
+node, one failed chain of a long lookup match would move the request's price as far as twenty
+independent misses, and the sources would end under-priced).
 
 A retrieval node's estimate ``b`` (successor, suffix, corpus, lookup, outputs) is mapped through
 `calibration.linear_correction` of its slot's window, with ``pseudo_trials`` of calibrated data so

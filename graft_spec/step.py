@@ -41,7 +41,7 @@ from .graft import merge_select
 from .prune import PruneStages, prune
 from .request_correction import RequestCorrection
 from .retrieval.buffer import HostCandidates
-from .retrieval.lookup import lookup_propose
+from .retrieval.lookup import LOOKUP_MAX_MATCH, lookup_propose
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, pointer_jumps,
@@ -370,7 +370,7 @@ class GraftStep:
         node t of a chain at depth t + 1. None when both sources are off."""
         chains = []                                                  # (tokens, valid, match [B, C(, D)], member)
         if self.config.retrieval.lookup:
-            tok, valid, match = lookup_propose(hist, count, self.config.retrieval.lookup_max_match, self.pool - 1)
+            tok, valid, match = lookup_propose(hist, count, LOOKUP_MAX_MATCH, self.pool - 1)
             chains.append((tok[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP))
         if self.outputs is not None:
             tok, valid, match = self.outputs.propose(hist, count, groups)

@@ -22,7 +22,7 @@ import torch
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
-from graft_spec.step import StepOutput
+from graft_spec.pipeline import StepOutput
 from sglang_patch.tree_mask import write_tree_mask
 
 __all__ = ["GraftVerifyInput", "tree_mask_numel", "write_tree_mask", "build_graft_verify_input"]

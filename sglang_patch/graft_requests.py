@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, List, Optional, Sequence
 
-from graft_spec.tree import NUM_SOURCES, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
+from graft_spec.pipeline import NUM_SOURCES, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
 
 logger = logging.getLogger(__name__)
 

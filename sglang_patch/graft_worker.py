@@ -60,7 +60,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator, Optional
 
-import numpy as np
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.managers.auxiliary_output import append_auxiliary_output
@@ -69,12 +68,8 @@ from sglang.srt.speculative import eagle_worker_common as _ewc
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
-from graft_spec.budget import BatchBudget
-from graft_spec.graphs import StepGraphs
-from graft_spec.pipeline import GraftPlanner, RoundStats, on_path_from_accept_index
-from graft_spec.prune import DraftStopGate
-from graft_spec.retrieval.buffer import HostCandidates
-from graft_spec.step import StepOutput, dense_draft_candidates
+from graft_spec.pipeline import (BatchBudget, DraftStopGate, GraftPlanner, HostCandidates, RoundStats, StepGraphs,
+                                 StepOutput, dense_draft_candidates, on_path_from_accept_index)
 from sglang_patch.args import effective_graft_config
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
@@ -462,7 +457,7 @@ class GraftWorker(EAGLEWorkerV2):
 
     def _capture_step_graphs(self) -> Optional[StepGraphs]:
         """One graph per (SGLang decode batch size, verify width) of `GraftPlanner.build`: a round
-        replays ~1,100 kernels in one launch (H100: 19-29 ms eager -> 1.6-3.3 ms, docs/benchmark.md).
+        replays its ~1,000 kernels in one launch (eager vs replayed times: docs/benchmark.md).
         None on CPU, with ``--disable-cuda-graph`` and without a draft worker."""
         if self._draft_worker is None or torch.device(self.device).type != "cuda":
             return None
@@ -558,27 +553,10 @@ class GraftWorker(EAGLEWorkerV2):
             self.deferred.reset(slots)
             self.deferred.forget([r.rid for r in batch.reqs])
         # each request's context (host lists; prefill only, not the decode path), then its first token
-        window = self.planner.history.length
-        ctx = [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs]
-        rows = np.zeros((len(ctx), window), dtype=np.int64)
-        for i, c in enumerate(ctx):
-            tail = c[-window:]
-            rows[i, : len(tail)] = tail
-        lens = torch.tensor([min(len(c), window) for c in ctx], dtype=torch.int64)
-        self.planner.reset_slots(slots, torch.from_numpy(rows).to(self.device, non_blocking=True), lens.to(self.device))
-        self.planner.history.append(slots, first[:, None], torch.ones_like(first))
-        ids = batch.input_ids
-        lens = getattr(batch, "extend_lens", None)
-        if self.planner.successor is not None and ids is not None and lens and ids.numel() > 1:
-            # prefill only (not the decode path): small host-to-device copies of lengths and groups
-            ids = ids.reshape(-1).to(torch.int64)
-            lens_t = torch.tensor(lens, device=ids.device)
-            starts = lens_t.cumsum(0)
-            same = torch.ones(ids.numel() - 1, dtype=torch.bool, device=ids.device)
-            same[(starts[:-1] - 1).clamp(0, ids.numel() - 2)] = False
-            groups = torch.tensor([self.planner.assign_group(r.rid, tenant_of(r)) for r in batch.reqs],
-                                  device=ids.device).repeat_interleave(lens_t)
-            self.planner.successor.warm_start(ids[:-1], ids[1:], same, groups[:-1])
+        self.planner.prefill([r.rid for r in batch.reqs], slots,
+                             [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs], first,
+                             batch.input_ids, getattr(batch, "extend_lens", None),
+                             [tenant_of(r) for r in batch.reqs])
         return result
 
     # ------------------------------------------------------------------ verify
@@ -599,8 +577,8 @@ class GraftWorker(EAGLEWorkerV2):
         topk_ids = None
         logits = result.logits_output.next_token_logits
         # a plain round's root carries no isolation group: its successor update is skipped
-        if self.planner.successor is not None and logits is not None and n > 1:
-            topk_ids = torch.topk(logits[: bs * n], self.planner.successor.k, dim=-1).indices
+        if self.planner.successor_k and logits is not None and n > 1:
+            topk_ids = torch.topk(logits[: bs * n], self.planner.successor_k, dim=-1).indices
         on_path = on_path_from_accept_index(result.accept_index, n) if n > 1 else None
         committed = result.next_token_ids.view(bs, -1)
         stats = self.planner.observe(out, on_path, topk_ids, committed, result.accept_lens,

@@ -32,8 +32,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from graft_spec.calibration import MEMBER_NAMES
-from graft_spec.tree import SOURCE_NAMES
+from graft_spec.pipeline import MEMBER_NAMES, SOURCE_NAMES
 
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
 

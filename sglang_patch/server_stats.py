@@ -105,11 +105,7 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
         return {}
     planner = getattr(worker, "planner", None)
     tracker = getattr(worker, "requests", None)
-    sources = list(_safe(lambda: planner.retriever.sources, []) or [])
-    if _safe(lambda: planner.successor) is not None:
-        sources.append(planner.successor)
-    if _safe(lambda: planner.outputs) is not None:
-        sources.append(planner.outputs)
+    sources = list(_safe(lambda: planner.retrieval_sources(), []) or [])
     out: Dict[str, Any] = {
         "live_requests": int(worker.live_graft_requests()),
         "planner_live_requests": _safe(lambda: int(planner.live_requests())),

@@ -1,8 +1,12 @@
 """`StepGraphs`: the graft step replayed from CUDA graphs equals the eager step, for padded batches,
 every captured width and tables that `observe` keeps updating between rounds.
 
-The replay tests need a CUDA device (they run on the lent GPU machine, scripts/bench_step_cuda.py
-prints the same check per shape); on CPU the eager fallback is what the worker runs and is tested.
+A captured build runs its recorded device ops on every replay and none of the Python around them:
+state the build assigned from Python during capture is never assigned again. On CPU,
+``make_fx`` records one call the same way (the planner's tables are referenced, not copied), so
+`test_captured_build_replays_many_rounds_like_eager` checks that many replayed rounds with no
+eager build in between leave the planner exactly as eager rounds do. The CUDA tests run on a GPU
+(scripts/bench_step_cuda.py prints the same check per shape).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from graft_spec.config import GraftConfig
 from graft_spec.graphs import StepGraphs
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.retrieval.buffer import HostCandidates
-from graft_spec.step import DraftCandidates
+from graft_spec.step import DraftCandidates, StepOutput
+from graft_spec.tree import DraftTree
 
 from test_core_step import dense_inputs
 
@@ -80,3 +85,126 @@ def test_replay_equals_eager_for_padded_batches_and_updated_tables():
     assert graphs.replays == 6 and graphs.eager == 0
     args = _inputs(17, 9, "cuda", planner.buffer.width)              # above the largest bucket: eager
     assert _same(graphs.build(*args), planner.build(*args)) and graphs.eager == 1
+
+
+def _verify(out: StepOutput, vocab: int, gen: torch.Generator):
+    """A deterministic stand-in for the target: the accepted path ends at the first of the deepest
+    nodes whose path tokens are all ``!= 0 (mod 3)``; the bonus is drawn from ``gen``. Returns
+    ``observe``'s ``(on_path, target_topk, committed, accept_len)``."""
+    tree = out.tree
+    b, n = tree.tokens.shape
+    dev = tree.tokens.device
+    ok = torch.where(torch.arange(n, device=dev) == 0, True, tree.tokens % 3 != 0)
+    path_ok = (~out.mask | ok[:, None, :]).all(dim=2)                  # every ancestor (and itself) ok
+    score = torch.where(path_ok, out.depth * n + (n - 1 - torch.arange(n, device=dev)), -1)
+    end = score.argmax(dim=1)
+    on_path = out.mask[torch.arange(b, device=dev), end]               # the end node's ancestors
+    idx = torch.arange(n, device=dev)
+    order = torch.where(on_path, idx, n).sort(dim=1).values.clamp(max=n - 1)
+    accept_len = on_path.sum(dim=1)                                    # root included
+    committed = torch.cat([tree.tokens.gather(1, order)[:, 1:],
+                           torch.zeros(b, 1, dtype=torch.int64, device=dev)], 1)
+    bonus = torch.randint(0, vocab, (b,), generator=gen).to(dev)
+    committed.scatter_(1, (accept_len - 1)[:, None], bonus[:, None])
+    topk = torch.randint(0, vocab, (b, n, 8), generator=gen).to(dev)
+    return on_path, topk, committed, accept_len
+
+
+def _state(planner: GraftPlanner) -> dict:
+    cal = planner.calibrator
+    return {"hits": cal.hits, "trials": cal.trials, "recent": cal.recent, "table": cal.table,
+            "member_stats": cal.member_stats, "depth_stats": cal.depth_stats,
+            "request": planner.request_correction.recent, "successor": planner.successor.table,
+            "history": planner.history.tokens, "count": planner.history.count}
+
+
+def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, vocab: int) -> list:
+    """``rounds`` verified rounds: inputs from a fixed seed, ``build`` (eager or replayed), the
+    stand-in verify, ``observe``; returns each round's trees (as CPU tensors)."""
+    gen = torch.Generator().manual_seed(7)
+    trees = []
+    roots = None
+    for rnd in range(rounds):
+        draft, r, host, slots, seq_lens, sampled = _inputs(b, 100 + rnd, device, planner.buffer.width)
+        roots = r if roots is None else roots
+        seq_lens = seq_lens + 4 * rnd
+        host.anchor_len.copy_(seq_lens + 1)
+        out = build(draft, roots, host, slots, seq_lens, sampled)
+        trees.append(torch.stack([out.tree.tokens, out.tree.parents, out.tree.source]).cpu())
+        on_path, topk, committed, accept_len = _verify(out, vocab, gen)
+        planner.observe(out, on_path, topk, committed, accept_len, slots)
+        roots = committed.gather(1, (accept_len - 1)[:, None])[:, 0]
+    return trees
+
+
+def _captured_build(planner: GraftPlanner, b: int, width: int):
+    """``planner.build`` recorded once by ``make_fx`` over static input buffers, replayed per call
+    (the CPU stand-in of `StepGraphs`' capture and replay)."""
+    from dataclasses import fields
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    static = _inputs(b, 0, "cpu", planner.buffer.width)
+    draft_f = [f.name for f in fields(DraftCandidates)]
+    host_f = [f.name for f in fields(HostCandidates)]
+    tensors = [t.clone() for t in [getattr(static[0], f) for f in draft_f] + [static[1]]
+               + [getattr(static[2], f) for f in host_f] + list(static[3:])]
+    meta = {}
+
+    def step(*flat):
+        d = DraftCandidates(*flat[:len(draft_f)])
+        h = HostCandidates(*flat[len(draft_f) + 1:len(draft_f) + 1 + len(host_f)])
+        slots, seq_lens, sampled = flat[-3:]
+        out = planner.build(d, flat[len(draft_f)], h, slots, seq_lens, sampled, num_nodes=width)
+        meta["factors"] = out.factors is not None
+        return (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source, out.member_bins, out.depth,
+                out.positions, out.mask, out.first_child, out.next_sibling, out.estimates, out.groups, out.gain,
+                *(out.factors or ()))
+
+    graph = make_fx(step)(*tensors)
+
+    def replay(draft, roots, host, slots, seq_lens, sampled):
+        for buf, x in zip(tensors, [getattr(draft, f) for f in draft_f] + [roots]
+                          + [getattr(host, f) for f in host_f] + [slots, seq_lens, sampled]):
+            buf.copy_(x)
+        o = [t.clone() for t in graph(*tensors)]
+        tree = DraftTree(*o[:4])
+        return StepOutput(tree, *o[4:10], planner.calibrator.table, o[11], o[12],
+                          tuple(o[13:15]) if meta["factors"] else None)
+
+    return replay
+
+
+@pytest.mark.parametrize("width", [24, 12])
+def test_captured_build_replays_many_rounds_like_eager(width):
+    """Replaying a recorded build for many rounds, with no eager build in between, gives the
+    trees and the planner state (calibration counts, source windows, estimate table, per-request
+    windows, successor table, history) of eager rounds, bit for bit."""
+    vocab, b, rounds = 50, 4, 12
+    eager, captured = _planner("cpu"), _planner("cpu")
+    eager_trees = _run_rounds(eager, lambda *a: eager.build(*a, num_nodes=width), rounds, b, "cpu", vocab)
+    replay = _captured_build(captured, b, width)
+    replay_trees = _run_rounds(captured, replay, rounds, b, "cpu", vocab)
+    for rnd, (x, y) in enumerate(zip(eager_trees, replay_trees)):
+        assert torch.equal(x, y), f"round {rnd}: replayed tree differs"
+    want, got = _state(eager), _state(captured)
+    assert want["trials"].sum() > 0 and want["recent"][:, 0].sum() > 0     # the rounds credited something
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{name} differs after {rounds} replayed rounds"
+
+
+@cuda
+def test_graph_replays_many_rounds_like_eager_on_cuda():
+    """`StepGraphs` replays with no eager build in between end in the eager rounds' planner state."""
+    vocab, b, rounds = 50, 4, 12
+    eager, captured = _planner("cuda"), _planner("cuda")
+    graphs = StepGraphs(captured, S, buckets=[4])
+    graphs.capture()
+    eager_trees = _run_rounds(eager, lambda *a: eager.build(*a), rounds, b, "cuda", vocab)
+    replay_trees = _run_rounds(captured, lambda *a: graphs.build(*a), rounds, b, "cuda", vocab)
+    assert graphs.replays == rounds and graphs.eager == 0
+    for x, y in zip(eager_trees, replay_trees):
+        assert torch.equal(x, y)
+    want, got = _state(eager), _state(captured)
+    for name in want:
+        assert torch.allclose(want[name].double(), got[name].double()), name

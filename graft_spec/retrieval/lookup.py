@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["lookup_propose"]
+__all__ = ["LOOKUP_MAX_MATCH", "lookup_propose"]
 
 #: Elements of one ``[B, positions, max_match]`` comparison block: bounds the step's bool / uint8
 #: temporaries at long histories (``history_len`` up to 65,536) to a few times 16 MiB.
@@ -29,6 +29,10 @@ _BLOCK_ELEMENTS = 1 << 24
 def _chunk(b: int, end: int, max_match: int) -> int:
     """Candidate positions per comparison block (a function of shapes only, so CUDA graphs capture it)."""
     return max(1, min(end, _BLOCK_ELEMENTS // max(1, b * max_match)))
+
+
+#: Longest context tail the lookup matches (tokens).
+LOOKUP_MAX_MATCH = 8
 
 
 def lookup_propose(hist: torch.Tensor, count: torch.Tensor, max_match: int, depth: int

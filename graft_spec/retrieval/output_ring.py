@@ -2,9 +2,8 @@
 
 SuffixDecoding's global tree over previous outputs (arXiv 2411.04975 Sec. 3), kept where the graft
 step runs so it matches the context the *device* has: under the overlap scheduler the host sees a
-request's tokens a round late, and a host index proposes from that stale tail (measured on the quick
-pair, 24 code prompts: a host-side output index kept 35% of its proposals after re-anchoring, 4% a
-round after a rejection, and the run reached tau 9.66 under overlap against 11.05 synchronous).
+request's tokens a round late, and a host index proposes from that stale tail, most of which
+re-anchoring then has to drop (a round after a rejection, nearly all of it).
 
 Layout (all device tensors, fixed sizes):
 

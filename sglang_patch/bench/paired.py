@@ -1,8 +1,8 @@
 """``python -m sglang_patch.bench.paired``: tokens/s of several servers in paired, alternating windows.
 
 `sglang_patch.bench` sends each prompt set once per method: one cell is a few seconds of traffic,
-and on a shared 2-core machine the speed moves between minutes (between two runs of the same code,
-no-spec alone moved 0.94-1.41x per cell, docs/benchmark.md "The same code twice"). This tool
+and on a shared 2-core machine the speed moves between minutes by more than the differences
+between methods. This tool
 resolves smaller differences. Every method's server is up at once; the same steady load (``c``
 requests always in flight, ``--max-tokens`` each, ``ignore_eos``, prompts cycled from one set) is
 sent to one server for a window of ``--window-s`` seconds, then to the next, the order reversed in
@@ -15,15 +15,13 @@ its range.
 Not SGLang's ``sglang:generation_tokens_total``: that counter grows when a request *finishes*
 (``TokenizerManager`` -> ``observe_one_finished_request``, metrics_collector.py:2092), so a window
 counted whole requests. At concurrency 1 (64 tokens, ~1.4 s a request) a 10 s window held 7 of them
-for either server, and a 10% slower server read the same tokens/s (the first version of this tool
-did that; docs/benchmark.md).
+for either server, and a 10% slower server would read the same tokens/s.
 
 Methods: ``nospec`` and ``graft_plain``, graft whose batch budget runs every decode round at width
 1 (``batch_budget.schedule [1]``): the floor the budget reaches when it steps aside, i.e. what a
 plain round costs over SGLang's own decode step. Speculative methods are left to
 `sglang_patch.bench`: a steady load cycles the prompt set and repeats prompts, whose answers
-retrieval would then find (measured: the budget's tokens/s doubled from the first to the fourth
-repetition at concurrency 1), while a plain round's cost does not depend on the text.
+retrieval would then find, while a plain round's cost does not depend on the text.
 
 Example (the shipped pair; what a plain round costs at concurrency 1 and 8)::
 

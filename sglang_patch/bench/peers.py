@@ -10,8 +10,7 @@ trials. The targets: ratio >= ``--ratio`` (0.97) in every cell, |estimated - obs
 differently), so their taus carry sampling noise, and a miss inside two standard errors is one this
 run cannot tell from the target. Greedy methods decode the same text (checked against no-spec), so
 a greedy ratio has no sampling noise and gets no se; it still moves between runs of identical code
-(the trees differ: up to 3% per cell on the shipped pair, docs/benchmark.md "The suffix source's
-calibration miss"), which this table cannot show. Each calibration miss is printed with two binomial
+(the trees differ with the calibration's state), which this table cannot show. Each calibration miss is printed with two binomial
 standard errors of its observed rate (trials taken as independent: retrieved nodes come in chains,
 so this too is a lower bound on the noise). Reads the JSON `sglang_patch.bench` writes; runs
 nothing.

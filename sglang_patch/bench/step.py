@@ -47,9 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
-from graft_spec.step import dense_draft_candidates
-from graft_spec.tree import eagle_step
+from graft_spec.pipeline import GraftPlanner, dense_draft_candidates, eagle_step, on_path_from_accept_index
 
 #: ops that only re-describe memory (no kernel on a GPU)
 VIEW_OPS = frozenset({"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze", "squeeze", "permute",

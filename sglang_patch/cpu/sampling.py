@@ -95,7 +95,7 @@ def tree_speculative_sampling_target_only(
     Raises:
         ValueError: thresholds other than 1.0.
     """
-    from graft_spec.verify import sample_verify
+    from graft_spec.pipeline import sample_verify
 
     del uniform_samples, uniform_samples_for_final_sampling, draft_probs, deterministic
     if threshold_single != 1.0 or threshold_acc != 1.0:
