@@ -9,6 +9,8 @@
   token before it is, so E[accepted] = sum over path nodes of P(path prefix accepted),
   and ``DraftTree.logp`` is exactly log P(path accepted) (draft: cumulative draft
   log-prob; retrieved: log of the estimated path acceptance; graft.py docstring).
+* `cap_depth`: drops retrieved candidates deeper than the longest chain the engine verifies,
+  so they do not take tree slots `best_chain` could never pick (`GraftPlanner.build_chains`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from .tree import SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, node_paths, path_min, pointer_jumps
 
-__all__ = ["spine_tree", "best_chain"]
+__all__ = ["spine_tree", "best_chain", "cap_depth"]
 
 
 def spine_tree(root_tokens: torch.Tensor, level_logp: torch.Tensor, level_ids: torch.Tensor) -> DraftTree:
@@ -94,3 +96,28 @@ def best_chain(tree: DraftTree, max_len: int) -> tuple[torch.Tensor, torch.Tenso
     nodes = paths.gather(1, best[:, None, None].expand(b, 1, max_len + 1)).squeeze(1)[:, 1:]
     tokens = torch.where(nodes >= 0, tree.tokens.gather(1, nodes.clamp(min=0)), -1)
     return tokens, length, expected.gather(1, best[:, None]).squeeze(1)
+
+
+def cap_depth(parts: list, max_depth: int) -> list:
+    """Retrieved candidates with their depth capped: those deeper than ``max_depth`` become invalid.
+
+    Args:
+        parts: `graft_spec.step.GraftStep.retrieve`'s `Candidates` blocks ``[B, C_i]``, ``parents``
+            indexing the block's own candidates (-1 = the root, so a candidate's depth is its parent
+            chain's length + 1).
+        max_depth: the longest chain verified (vLLM's K), >= 1.
+    Returns:
+        The same blocks with the candidates below ``max_depth`` made invalid (`Candidates.where`;
+        their descendants are deeper still, so no kept node loses its parent).
+    Raises:
+        ValueError: ``max_depth`` < 1.
+    """
+    if max_depth < 1:
+        raise ValueError(f"cap_depth: max_depth={max_depth} must be >= 1")
+    out = []
+    for p in parts:
+        b = p.tokens.shape[0]
+        full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=p.tokens.device),
+                          torch.where(p.parents < 0, 0, p.parents + 1).to(torch.int64)], 1)
+        out.append(p.where(node_depths(full)[:, 1:] <= max_depth))
+    return out

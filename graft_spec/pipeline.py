@@ -87,22 +87,29 @@ def on_path_from_tokens(tree: DraftTree, committed: torch.Tensor, lens: torch.Te
 
     For an engine that verifies a chain only (vLLM 0.33): under greedy decoding the committed
     tokens are the target's own continuation, so a tree node at depth d <= ``lens`` lies on the
-    accepted path of the full tree exactly when its path equals the first d committed tokens.
+    accepted path of the full tree exactly when its path equals the first d committed tokens. A
+    deeper node is a known miss when one of its ancestors within the committed depth already
+    differs from the committed token there (nothing below a rejected node is accepted); it is
+    unknown only when its whole path within the committed depth matches (the target's continuation
+    past ``lens`` was not observed).
 
     Args:
         tree: the round's tree ``[B, N]``.
         committed: ``int64[B, L]`` tokens committed after the root (accepted, then the bonus).
-        lens: ``int64[B]`` how many are valid.
+        lens: ``int64[B]`` how many are valid (0..L).
     Returns:
-        ``(on_path bool[B, N], known bool[B, N])``: known = depth <= lens (the root: always).
+        ``(on_path bool[B, N], known bool[B, N])``: known = depth <= lens, or an ancestor (or the
+        node) within depth <= lens is off the committed path; the root is always known and on path.
     """
     jumps = pointer_jumps(tree.parents)
     depth = node_depths(tree.parents, jumps)
     lw = committed.shape[1]
+    within = depth <= lens[:, None]
     want = committed.gather(1, (depth - 1).clamp(0, lw - 1))
-    match = torch.where(depth == 0, True, tree.tokens == want).float()
-    known = depth <= lens[:, None]
-    return (path_min(match, tree.parents, jumps) > 0.5) & known, known
+    # past the committed depth a node neither matches nor misses: only its ancestors decide
+    match = torch.where((depth == 0) | ~within, True, tree.tokens == want).float()
+    prefix_ok = path_min(match, tree.parents, jumps) > 0.5
+    return prefix_ok & within, within | ~prefix_ok
 
 
 @dataclass
@@ -509,3 +516,84 @@ class GraftPlanner:
             expected = torch.cat([out.expected_accept_at(self.config.verify_widths),
                                   out.expected_accept_at((n,))], dim=1)
         return RoundStats(sources, members, depths, expected)
+
+    # ------------------------------------------------------------------ chain-verifying engines (vLLM)
+    def begin_request(self, req_id: Hashable, slot: int, prompt_ids: Sequence[int],
+                      output_ids: Sequence[int] = (), tenant: Optional[Hashable] = None,
+                      sampled: bool = False) -> None:
+        """Start a request on engine slot ``slot`` from the context the engine holds on the host
+        (vLLM hands the proposer token ids, not prefill batches): `start_request` with the prompt,
+        `extend` with the output it already has (a resumed, preempted request), the slot's token window
+        set to the context's tail (prompt + output, ending with the next tree's root) and its
+        per-request window emptied (`reset_slots`), and the prompt's bigrams warm-starting the empty
+        rows of the request's successor-table group (`SuccessorTable.warm_start`; SGLang's adapter does
+        the same at prefill, graft_worker.py ``_forward_prefill_batch``).
+
+        Args:
+            slot: the request's engine slot, a stable row of the token history while it lives (grows
+                the per-slot state on demand).
+            prompt_ids / output_ids: host token ids.
+            tenant, sampled: as for `start_request`.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        out = [int(t) for t in output_ids]
+        self.start_request(req_id, prompt, tenant=tenant, sampled=sampled)
+        if out:
+            self.extend(req_id, out)
+        self.ensure_slots(slot + 1)
+        width = self.history.length
+        ctx = (prompt + out)[-width:]
+        window = torch.zeros(1, width, dtype=torch.int64)
+        window[0, : len(ctx)] = torch.tensor(ctx, dtype=torch.int64)
+        self.reset_slots(torch.tensor([slot], device=self.device), window.to(self.device),
+                         torch.tensor([len(ctx)], device=self.device))
+        if self.successor is not None and len(prompt) > 1:
+            ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+            self.successor.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool,
+                                                                    device=self.device), self.group_of(req_id))
+
+    def build_chains(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
+                     slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
+                     max_depth: int) -> StepOutput:
+        """`build` for an engine that verifies one chain of at most ``max_depth`` tokens per request
+        (vLLM 0.33's K): retrieved candidates deeper than ``max_depth`` are dropped before the N - 1
+        nodes are chosen (`chain.cap_depth`), so the budget goes to nodes a chain can use. Arguments
+        and result as for `build` (full width N)."""
+        from .chain import cap_depth
+
+        hist, count = self.history.gather(slot_ids)
+        est, factors = self.calibrator.estimates(), self._factors(slot_ids)
+        parts = cap_depth(self.step.retrieve(roots, host, hist, count, seq_lens, sampled, est, factors), max_depth)
+        return self.step(draft, roots, host, hist, count, seq_lens, sampled, est, factors, parts)
+
+    def observe_committed(self, out: StepOutput, committed: torch.Tensor, lens: torch.Tensor,
+                          slot_ids: torch.Tensor) -> RoundStats:
+        """`observe` for an engine that verifies one chain of the tree and reports only the tokens it
+        committed (vLLM 0.33). The accepted nodes come from the tokens (`on_path_from_tokens`); nodes the
+        tokens say nothing about (on a matching path below the committed depth) count in neither the
+        calibration nor the per-request windows; the successor table learns every committed transition
+        (root -> first token -> ...) as the target's top-1 in the row's group (such an engine gives no
+        target top-k). Device only, no host read.
+
+        Args:
+            out: the round's `StepOutput` ``[B, N]``.
+            committed: ``int64[B, L]`` tokens committed after the root (accepted, then the bonus).
+            lens: ``int64[B]`` valid tokens per row; 0 = the row was not verified (nothing counted,
+                nothing appended).
+            slot_ids: ``int64[B]`` engine slots.
+        Returns:
+            `observe`'s `RoundStats`.
+        """
+        import dataclasses
+
+        on_path, known = on_path_from_tokens(out.tree, committed, lens)
+        bins = torch.where(known[:, :, None], out.member_bins, -1)
+        stats = self.observe(dataclasses.replace(out, member_bins=bins), on_path, None, committed, lens, slot_ids)
+        if self.successor is not None and committed.shape[1] > 0:
+            # transitions t -> u along root, committed[0], ...: rows [B * L], the invalid ones masked
+            prev = torch.cat([out.tree.tokens[:, :1], committed[:, :-1]], 1)                # [B, L]
+            valid = torch.arange(committed.shape[1], device=committed.device)[None, :] < lens[:, None]
+            groups = out.groups if out.groups is not None else torch.zeros_like(lens)
+            self.successor.update(prev.reshape(-1), committed.reshape(-1, 1), valid.reshape(-1),
+                                  groups[:, None].expand_as(prev).reshape(-1))
+        return stats

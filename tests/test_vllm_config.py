@@ -158,6 +158,8 @@ def test_invalid_graft_env_names_the_field(quick_models, monkeypatch):
     ({"rejection_sample_method": "synthetic"}, "rejection_sample_method"),
     ({"model": None}, "speculative_config.model"),
     ({"graft_config": "/nonexistent/graft.yaml"}, "No such file"),
+    # issue 45 (e): the local-argmax path skips the hook graft reads the draft's top-k from
+    ({"use_local_argmax_reduction": True}, "use_local_argmax_reduction"),
 ])
 def test_vllm_settings_graft_refuses(quick_models, spec, field):
     with pytest.raises(ValueError, match=field):
@@ -192,3 +194,40 @@ def test_register_is_idempotent():
     literal = next(a for a in get_args(method) if a is not type(None))
     assert list(get_args(literal)).count("graft") == 1
     assert not hasattr(SpeculativeConfig.__post_init__.__wrapped__, "__wrapped__")
+
+
+def _hf(top=None, nested=None):
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(eagle_config={"use_aux_hidden_state": True} | (
+        {"eagle_aux_hidden_state_layer_ids": nested} if nested is not None else {}))
+    if top is not None:
+        hf.eagle_aux_hidden_state_layer_ids = top
+    return SimpleNamespace(method="eagle3", draft_model_config=SimpleNamespace(hf_config=hf))
+
+
+@pytest.mark.parametrize("spec, want", [
+    (_hf(nested=[0, 2, 4]), (1, 3, 5)),             # scripts/make_models.py heads (SGLang: outputs of 0, 2, 4)
+    (_hf(nested=[1, 23, 44]), (2, 24, 45)),          # SpecForge defaults for 48 layers = both engines' default
+    (_hf(nested=[2, 18, 33]), None),                 # input-of-layer heads (sgl-project/sglang#25454) as they are
+    (_hf(), None),                                   # no ids: both engines default to (2, L // 2, L - 3)
+    (_hf(top=[1, 3, 5], nested=[0, 2, 4]), None),    # speculators format (vLLM's own convention) wins
+])
+def test_eagle3_aux_layer_ids_read_as_sglang_reads_them(spec, want):
+    """Issue 45 (a): the same head captures the same target layers in both engines."""
+    from vllm_worker.config_patch import translate_aux_layer_ids
+
+    before = getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    assert translate_aux_layer_ids(spec) == want
+    after = getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    assert after == (list(want) if want else before)
+    assert translate_aux_layer_ids(spec) is None                   # idempotent (configs are re-validated)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "graft"])
+def test_engine_config_reads_the_quick_head_aux_ids_as_sglang(quick_models, method):
+    cfg = EngineArgs(model=str(quick_models.target), max_model_len=512, speculative_config={
+        "method": method, "model": str(quick_models.draft), "num_speculative_tokens": 4}).create_engine_config()
+    hf = cfg.speculative_config.draft_model_config.hf_config
+    nested = hf.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    assert hf.eagle_aux_hidden_state_layer_ids == [i + 1 for i in nested]

@@ -94,13 +94,13 @@ with set_current_vllm_config(cfg):
     out["chain_is_tree_path"] = [
         c == best_chain(tree, K)[0][i, : len(c)].tolist() for i, c in enumerate(chains)]
     out["live_after_2"] = d.graft.planner.live_requests()
-    out["tracked"] = sorted(d.graft.tracker._cursor)
+    out["tracked"] = sorted(d.graft.tracker._reqs)
     runner.input_batch.remove_request("b"); runner.input_batch.condense()
     with torch.no_grad():
         chains1 = d.propose(K, None, None, None, roots[:1], None, None, None)
     out["n_chains_after_leave"] = len(chains1)
     out["live_after_leave"] = d.graft.planner.live_requests()
-    out["tracked_after_leave"] = sorted(d.graft.tracker._cursor)
+    out["tracked_after_leave"] = sorted(d.graft.tracker._reqs)
 print("PROBE " + json.dumps(out))
 """
 

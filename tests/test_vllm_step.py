@@ -48,28 +48,19 @@ class _Batch:
 
 
 class _RecordingPlanner:
+    """Records the planner calls the tracker makes (its whole door: begin / extend / stop)."""
+
     def __init__(self):
         self.calls: list[tuple] = []
-        self.device = torch.device("cpu")
-        self.successor = self   # records successor-table updates as ("observe", [(t, u), ...])
 
-    def start_request(self, rid, prompt):
-        self.calls.append(("start", rid, list(prompt)))
+    def begin_request(self, rid, slot, prompt, output=(), tenant=None, sampled=False):
+        self.calls.append(("begin", rid, slot, list(prompt), list(output), sampled))
 
     def extend(self, rid, toks):
         self.calls.append(("extend", rid, list(toks)))
 
     def stop_request(self, rid):
         self.calls.append(("stop", rid))
-
-    def update(self, t, u, valid, groups=0):
-        self.calls.append(("observe", list(zip(t[valid].tolist(), u[valid][:, 0].tolist()))))
-
-    def warm_start(self, prev, nxt, valid, groups=0):
-        self.calls.append(("warm", list(zip(prev[valid].tolist(), nxt[valid].tolist()))))
-
-    def group_of(self, rid):
-        return 0
 
 
 def _bigram(vocab: int, seed: int) -> torch.Tensor:
@@ -142,21 +133,44 @@ def test_tracker_feeds_each_committed_token_once_and_frees_departed_requests():
     tr = RequestTracker(rec)
     b = _Batch()
     b.set({"a": ([1, 2, 3], []), "b": ([7, 8], [9])})           # b: resumed after preemption
-    tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
-    assert rec.calls == [("start", "a", [1, 2, 3]), ("start", "b", [7, 8]), ("extend", "b", [9]),
-                         ("warm", [(1, 2), (2, 3)]), ("warm", [(7, 8)]), ("observe", [(8, 9)])]
+    slots = tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2],
+                    sampled=[False, True])
+    assert rec.calls == [("begin", "a", 0, [1, 2, 3], [], False), ("begin", "b", 1, [7, 8], [9], True)]
+    assert slots.tolist() == [0, 1] and tr.held("a") == 3 and tr.held("b") == 3
     assert "a" in tr and "b" in tr and len(tr) == 2
     rec.calls.clear()
-    b.set({"a": ([1, 2, 3], [4, 5]), "c": ([6], [])})           # b left, c joined
-    tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
-    assert rec.calls == [("stop", "b"), ("extend", "a", [4, 5]), ("start", "c", [6]),
-                         ("observe", [(3, 4), (4, 5)])]
-    assert "b" not in tr and len(tr) == 2
+    b.set({"a": ([1, 2, 3], [4, 5]), "c": ([6], [])})           # b left, c joined (takes b's slot)
+    slots = tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
+    assert rec.calls == [("stop", "b"), ("extend", "a", [4, 5]), ("begin", "c", 1, [6], [], False)]
+    assert slots.tolist() == [0, 1] and "b" not in tr and len(tr) == 2
     rec.calls.clear()
     tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
     assert rec.calls == []                                     # nothing new: nothing fed twice
     tr.stop_all()
     assert sorted(rec.calls) == [("stop", "a"), ("stop", "c")] and len(tr) == 0
+
+
+def test_request_left_out_of_a_step_but_alive_keeps_its_state():
+    """Issue 45 (d): vLLM removes a request the scheduler did not schedule this step from the input
+    batch but keeps it in ``runner.requests`` (gpu_model_runner.py:1213-1233): it is not finished."""
+    rec = _RecordingPlanner()
+    tr = RequestTracker(rec)
+    b = _Batch()
+    b.set({"a": ([1, 2, 3], [4]), "b": ([7, 8], [9])})
+    tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
+    rec.calls.clear()
+    b.set({"a": ([1, 2, 3], [4, 5])})                          # b left out, still held by the runner
+    tr.sync(b.req_ids, b.token_ids_cpu[:1], b.num_prompt_tokens[:1], b.num_tokens_no_spec[:1], alive={"a", "b"})
+    assert rec.calls == [("extend", "a", [5])] and "b" in tr
+    rec.calls.clear()
+    b.set({"a": ([1, 2, 3], [4, 5]), "b": ([7, 8], [9, 10, 11])})  # b back: only its new tokens
+    slots = tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2],
+                    alive={"a", "b"})
+    assert rec.calls == [("extend", "b", [10, 11])] and slots.tolist() == [0, 1]
+    rec.calls.clear()
+    b.set({"a": ([1, 2, 3], [4, 5])})                          # b finished: gone from the runner too
+    tr.sync(b.req_ids, b.token_ids_cpu[:1], b.num_prompt_tokens[:1], b.num_tokens_no_spec[:1], alive={"a"})
+    assert rec.calls == [("stop", "b")] and "b" not in tr
 
 
 def test_retrieval_state_created_and_freed_per_request_id_in_real_sources():
@@ -230,3 +244,90 @@ def test_finish_refuses_missing_draft_passes():
     step.record(torch.randn(1, 32))
     with pytest.raises(RuntimeError, match="1 draft passes recorded, need 3"):
         b.finish(step, 3)
+
+
+def _tree(tokens, parents):
+    from graft_spec.tree import SOURCE_DRAFT, DraftTree
+
+    t = torch.tensor([tokens])
+    return DraftTree(t, torch.tensor([parents]), torch.zeros(1, len(tokens)), torch.full_like(t, SOURCE_DRAFT))
+
+
+def test_nodes_below_a_rejected_node_are_known_misses():
+    """Issue 45 (c): a node deeper than the committed tokens is a known miss when an ancestor within
+    them was rejected; it stays unknown only when its whole committed-depth path matches."""
+    from graft_spec.pipeline import on_path_from_tokens
+
+    #        root -> 5 (1) -> 6 (2) -> 7 (3);  root -> 9 (4) -> 10 (5)
+    tree = _tree([0, 5, 6, 7, 9, 10], [-1, 0, 1, 2, 0, 4])
+    on, known = on_path_from_tokens(tree, torch.tensor([[5, 8]]), torch.tensor([2]))
+    assert on[0].tolist() == [True, True, False, False, False, False]
+    assert known[0].tolist() == [True] * 6            # 7 sits below the rejected 6, 10 below the rejected 9
+    on, known = on_path_from_tokens(tree, torch.tensor([[5, 6]]), torch.tensor([2]))
+    assert on[0].tolist() == [True, True, True, False, False, False]
+    assert known[0].tolist() == [True, True, True, False, True, True]   # 7: its path matched, fate unseen
+    on, known = on_path_from_tokens(tree, torch.tensor([[0, 0]]), torch.tensor([0]))   # row not verified
+    assert on[0].tolist() == [True] + [False] * 5 and known[0].tolist() == [True] + [False] * 5
+
+
+def test_chains_never_hold_nodes_deeper_than_k():
+    """Issue 45 (e): retrieved chains (lookup, suffix) run N - 1 deep; a chain engine verifies K."""
+    from graft_spec.candidates import Candidates
+    from graft_spec.chain import cap_depth
+    from graft_spec.tree import node_depths
+
+    vocab, k = 64, 2
+    step = GraftStep(GraftConfig(num_draft_tokens=12, topk=3, depth=k), vocab)
+    cyc = [3, 9, 14, 20, 27, 33]
+    target = _cycle_target(vocab, cyc, 0)
+    _decode(step, target, _bigram(vocab, 5), {"r": cyc * 4}, k, new_tokens=12)
+    assert int(node_depths(step.last_tree.parents).max()) <= k
+    # cap_depth itself: a 4-deep chain part keeps its first K nodes
+    par = torch.tensor([[-1, 0, 1, 2]])
+    tok, est = torch.tensor([[1, 2, 3, 4]]), torch.full((1, 4), 0.5)
+    zeros = torch.zeros(1, 4, dtype=torch.int64)
+    (c,) = cap_depth([Candidates(tok, par, est, torch.ones(1, 4, dtype=torch.bool), zeros, zeros)], 2)
+    assert c.valid[0].tolist() == [True, True, False, False] and c.est[0].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert c.bins[0].tolist() == [0, 0, -1, -1]
+
+
+def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_planner():
+    """Issue 45 (b) and (e): vLLM's sampled requests reach the core as sampled (its bins, its output
+    index rule), and every step's tree goes back through `GraftPlanner.observe` (calibration and the
+    per-request correction), not the calibrator alone."""
+    vocab, k = 64, 2
+    step = GraftStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
+    planner = step.planner
+    seen = {"sampled": [], "observe": 0, "begin": []}
+    build, observe, begin = planner.build_chains, planner.observe, planner.begin_request
+
+    def build_spy(*a, **kw):
+        seen["sampled"].append(a[5].tolist())
+        return build(*a, **kw)
+
+    def observe_spy(*a, **kw):
+        seen["observe"] += 1
+        return observe(*a, **kw)
+
+    def begin_spy(rid, slot, prompt, output=(), tenant=None, sampled=False):
+        seen["begin"].append((rid, sampled))
+        return begin(rid, slot, prompt, output, tenant=tenant, sampled=sampled)
+
+    planner.build_chains, planner.observe, planner.begin_request = build_spy, observe_spy, begin_spy
+    target = _bigram(vocab, 3)
+    b = _Batch()
+    outs = {"g": [], "s": []}
+    prompts = {"g": [1, 2, 3], "s": [4, 5]}
+    for _ in range(3):
+        b.set({r: (prompts[r], outs[r]) for r in prompts})
+        step.begin()
+        cur = torch.tensor([s[-1] for s in b.seqs])
+        for _ in range(k):
+            cur = step.record(target[cur])
+        chains = step.finish(cur * 0 + torch.tensor([s[-1] for s in b.seqs]), b.req_ids, b.token_ids_cpu[:2],
+                             b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2], k, sampled=[False, True])
+        for r, s, ch in zip(prompts, b.seqs, chains):
+            outs[r].extend(_greedy_chain_verify(target, s[-1], ch))
+    assert seen["begin"] == [("g", False), ("s", True)]
+    assert seen["sampled"] == [[False, True]] * 3
+    assert seen["observe"] == 2                       # steps 2 and 3 observe steps 1 and 2

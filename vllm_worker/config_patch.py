@@ -22,6 +22,8 @@ Patches (all on ``vllm.config.speculative.SpeculativeConfig``, applied once):
 3. ``__post_init__`` (config/speculative.py:1226) is wrapped: for ``"graft"`` it loads and
    validates the `GraftConfig`, checks the vLLM settings Graft needs (below), sets
    ``method = "eagle3"``, runs vLLM's own validation, then stores the resolved config.
+   For every ``eagle3`` config (graft or not) the wrapper then reads an EAGLE-3 head's aux-layer
+   ids as SGLang does (`translate_aux_layer_ids`), so one head drafts alike in both engines.
 4. ``VllmConfig._get_v2_model_runner_unsupported_features`` (config/vllm.py:3053-3088)
    reports Graft, so vLLM selects the V1 runner and logs why (config/vllm.py:756-762).
 
@@ -46,7 +48,7 @@ import logging
 import os
 from typing import Any, Literal, Optional, get_args
 
-__all__ = ["GRAFT_METHOD", "patch_speculative_config", "graft_config_of", "is_graft"]
+__all__ = ["GRAFT_METHOD", "patch_speculative_config", "graft_config_of", "is_graft", "translate_aux_layer_ids"]
 
 GRAFT_METHOD = "graft"
 _PATCHED_FLAG = "_graft_spec_patched"
@@ -130,6 +132,11 @@ def _check_vllm_settings(cfg: Any) -> None:
     if cfg.rejection_sample_method != "standard":
         raise ValueError("speculative_config.rejection_sample_method must be 'standard' for "
                          f"method='graft' (lossless), got {cfg.rejection_sample_method!r}")
+    if getattr(cfg, "use_local_argmax_reduction", False):
+        raise ValueError("speculative_config.use_local_argmax_reduction is not supported with method='graft': "
+                         "graft reads the draft's top-k log-probs from the full logits of every draft pass "
+                         "(GraftProposer._greedy_sample replaces the local-argmax path, "
+                         "llm_base_proposer.py:437-450)")
     if getattr(cfg, "use_heterogeneous_vocab", False):
         raise ValueError("speculative_config.use_heterogeneous_vocab is not supported with method='graft'")
     if getattr(cfg, "parallel_drafting", False):
@@ -137,6 +144,45 @@ def _check_vllm_settings(cfg: Any) -> None:
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
         raise ValueError("method='graft' needs the V1 model runner (GraftProposer extends the V1 "
                          "EagleProposer); unset VLLM_USE_V2_MODEL_RUNNER")
+
+
+def translate_aux_layer_ids(spec_config: Any) -> Optional[tuple]:
+    """Read an EAGLE-3 head's ``eagle_config.eagle_aux_hidden_state_layer_ids`` as SGLang does.
+
+    The two engines number the captured target layers differently: SGLang 0.5.23 captures the
+    *output* of layer k (``layers_to_capture = [k + 1 ...]``, models/qwen3.py:790-791, models/llama.py
+    alike), vLLM the *input* of layer k (`_maybe_add_hidden_state` at index ``idx + 1`` after layer
+    ``idx``, models/qwen2.py:423-434; ids read as they are in gpu_model_runner.py
+    `_get_eagle3_aux_layers_from_config`), one layer early. Heads whose ids sit in ``eagle_config``
+    and start at 0 or 1 are in the output-of-layer convention (SpecForge / SGLang-trained heads,
+    ``scripts/make_models.py``; SGLang's own rule, sgl-project/sglang#25454: a first id of 1 means
+    output-of-layer, 0 would be the embeddings as an input): for them the ids + 1 are set as the
+    config's top-level ``eagle_aux_hidden_state_layer_ids``, which both vLLM runners read first
+    (and which enters vLLM's compile hash, config/speculative.py:636-645). Left as they are: heads
+    without ids (both engines default to the same ``(2, L // 2, L - 3)`` inputs), a top-level id
+    list (the `speculators` format, vLLM's convention), and ids starting at 2 or more.
+
+    Args:
+        spec_config: a validated `SpeculativeConfig` (any method; only ``eagle3`` is touched).
+    Returns:
+        The translated ids, or None when nothing was changed.
+    """
+    dm = getattr(spec_config, "draft_model_config", None)
+    if getattr(spec_config, "method", None) != "eagle3" or dm is None:
+        return None
+    hf = dm.hf_config
+    if getattr(hf, "eagle_aux_hidden_state_layer_ids", None):
+        return None
+    ec = getattr(hf, "eagle_config", None)
+    ids = ec.get("eagle_aux_hidden_state_layer_ids") if isinstance(ec, dict) else None
+    if not ids or min(int(i) for i in ids) > 1:
+        return None
+    new = [int(i) + 1 for i in ids]
+    setattr(hf, "eagle_aux_hidden_state_layer_ids", new)
+    logger.info("graft plugin: EAGLE-3 head eagle_config.eagle_aux_hidden_state_layer_ids=%s are outputs of "
+                "those target layers (SGLang's reading); vLLM captures layer inputs, so using %s",
+                list(ids), new)
+    return tuple(new)
 
 
 def _wrap_post_init(cls: type) -> None:
@@ -148,7 +194,9 @@ def _wrap_post_init(cls: type) -> None:
             if getattr(self, "graft_config", None) is not None:
                 raise ValueError("speculative_config.graft_config is only valid with method='graft' "
                                  f"(method={self.method!r})")
-            return original(self)
+            original(self)
+            translate_aux_layer_ids(self)
+            return
         gcfg = load_graft_settings(self.graft_config, self.num_speculative_tokens)
         _check_vllm_settings(self)
         if self.num_speculative_tokens is None:
@@ -161,6 +209,7 @@ def _wrap_post_init(cls: type) -> None:
         original(self)
         if self.method != "eagle3":  # vLLM must not have re-detected another method
             raise ValueError(f"method='graft' needs an EAGLE-3 draft head; vLLM resolved {self.method!r}")
+        translate_aux_layer_ids(self)
         self.graft_config = gcfg.model_dump_json()  # the mark read by is_graft / graft_config_of
         logger.info("graft: speculative method 'graft' = EAGLE-3 draft tree + prune + graft, one chain "
                     "of <= %d tokens per request (N=%d, topk=%d); using the V1 model runner because "

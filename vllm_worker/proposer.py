@@ -7,9 +7,11 @@ Per decode step (V1 runner, ``disable_padded_drafter_batch=True``, see config_pa
    `_greedy_sample` override (llm_base_proposer.py:437) hands each pass's logits to
    `GraftStep.record`, which keeps the top-k siblings and returns the top-1 token the
    loop continues with.
-2. `GraftStep.finish` syncs per-request retrieval state with ``runner.input_batch``,
-   builds the spine tree, calls graft_spec's prune + retrieve + graft, and picks the
-   best chain (expected accepted length) of at most K tokens per request.
+2. `GraftStep.finish` observes last step's tree against the committed tokens, syncs
+   per-request state with ``runner.input_batch`` (requests still held in ``runner.requests``
+   but left out of this step stay alive; greedy vs sampled from ``input_batch.greedy_reqs``),
+   builds the spine tree, calls graft_spec's prune + retrieve + graft, and picks the best
+   chain (expected accepted length) of at most K tokens per request.
 3. The chains are returned as ``list[list[int]]``, which the runner passes on like the
    ngram/suffix drafts (gpu_model_runner.py:4636-4638; async scheduling is off).
 
@@ -68,6 +70,10 @@ class GraftProposer(EagleProposer):
                         target_hidden_states, next_token_ids, *args, **kwargs)
         batch = self.runner.input_batch
         b = next_token_ids.shape[0]
-        return self.graft.finish(next_token_ids, batch.req_ids[:b], batch.token_ids_cpu[:b],
+        rids = batch.req_ids[:b]
+        greedy = getattr(batch, "greedy_reqs", None)   # gpu_input_batch.py:202, filled at :398-402
+        sampled = [rid not in greedy for rid in rids] if greedy is not None else None
+        return self.graft.finish(next_token_ids, rids, batch.token_ids_cpu[:b],
                                  batch.num_prompt_tokens[:b], batch.num_tokens_no_spec[:b],
-                                 num_speculative_tokens)
+                                 num_speculative_tokens, alive=getattr(self.runner, "requests", None),
+                                 sampled=sampled)

@@ -1,37 +1,46 @@
-"""Per-request retrieval state for the vLLM proposer, keyed by vLLM request id.
+"""Per-request state of the vLLM proposer, keyed by vLLM request id.
 
-vLLM's proposer is told nothing about request arrival or completion; like vLLM's own
-suffix proposer (v1/spec_decode/suffix_decoding.py:9-102) we diff the input batch each
-step:
+vLLM's proposer is told nothing about request arrival or completion; like vLLM's own suffix
+proposer (v1/spec_decode/suffix_decoding.py:9-102) we diff the input batch each step:
 
-* a request id seen for the first time -> ``planner.start_request(prompt)`` and then
-  ``extend`` with any output it already has (a resumed, preempted request);
-* a known id -> ``extend`` with the tokens committed since the last step
-  (``token_ids_cpu[i, cursor:num_tokens_no_spec[i]]``, gpu_model_runner.py:3538-3548
-  writes them during bookkeeping, which Graft runs before the proposer);
-* an id that is no longer in the batch (finished, aborted or preempted) ->
-  ``planner.stop_request`` frees its state.
+* a request id seen for the first time gets an engine slot (a stable row of the planner's token
+  history) and ``planner.begin_request`` with its prompt and any output it already has (a
+  resumed, preempted request): host sources, token window, successor warm start;
+* a known id -> ``planner.extend`` with the tokens committed since the last step
+  (``token_ids_cpu[i, cursor:num_tokens_no_spec[i]]``, written during bookkeeping, which Graft
+  runs before the proposer, gpu_model_runner.py:4345-4455);
+* an id that is neither in the batch nor alive in the runner (``runner.requests``: finished or
+  aborted; gpu_model_runner.py:1183-1186 pops them) -> ``planner.stop_request`` and its slot is
+  freed. A request the scheduler merely left out of this step (unscheduled, or preempted and
+  waiting: gpu_model_runner.py:1213-1233 removes it from the batch but keeps its cached state)
+  keeps its state and slot.
 
-A new request's prompt bigrams warm-start the empty rows of the successor table
-(`SuccessorTable.warm_start`); every committed transition (token t followed by token u) updates the successor
-table with u as the target's top-1 after t (`SuccessorTable.update`). vLLM does not hand
-the proposer the target logits, so ranks >= 1 are not observed here.
+The tracker also knows how many of each request's tokens its slot's device window holds
+(`held`), so the step can refill a window that missed tokens (a request that was left out of a
+step) instead of proposing from a stale one.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Collection, Optional, Sequence
 
 import numpy as np
-import torch
 
 from graft_spec.pipeline import GraftPlanner
 
 __all__ = ["RequestTracker"]
 
 
+@dataclass
+class _Req:
+    slot: int
+    cursor: int   # tokens (prompt included) given to the planner's host sources
+    held: int     # tokens (prompt included) the slot's device window ends at
+
+
 class RequestTracker:
-    """Keeps `GraftPlanner` retrieval state in step with vLLM's input batch.
+    """Keeps `GraftPlanner` per-request state in step with vLLM's input batch.
 
     Args:
         planner: the proposer's `GraftPlanner`.
@@ -39,17 +48,38 @@ class RequestTracker:
 
     def __init__(self, planner: GraftPlanner):
         self.planner = planner
-        self._cursor: dict[str, int] = {}  # req id -> tokens already given to the planner
+        self._reqs: dict[str, _Req] = {}
+        self._free: list[int] = []
+        self._slots = 0
 
     def __contains__(self, req_id: str) -> bool:
-        return req_id in self._cursor
+        return req_id in self._reqs
 
     def __len__(self) -> int:
-        return len(self._cursor)
+        return len(self._reqs)
+
+    def slot(self, req_id: str) -> int:
+        """The request's engine slot. Raises KeyError for an unknown id."""
+        return self._reqs[req_id].slot
+
+    def held(self, req_id: str) -> int:
+        """Tokens (prompt included) the request's device window ends at (0: unknown id)."""
+        r = self._reqs.get(req_id)
+        return r.held if r is not None else 0
+
+    def advance(self, req_id: str, n: int) -> None:
+        """``n`` committed tokens were appended to the request's device window (`observe_committed`)."""
+        if req_id in self._reqs:
+            self._reqs[req_id].held += int(n)
+
+    def refilled(self, req_id: str, n: int) -> None:
+        """The request's device window was rewritten to end at token ``n``."""
+        self._reqs[req_id].held = int(n)
 
     def sync(self, req_ids: Sequence[str], token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
-             num_tokens: np.ndarray) -> None:
-        """Start new requests, feed committed tokens, stop requests that left.
+             num_tokens: np.ndarray, alive: Optional[Collection[str]] = None,
+             sampled: Optional[Sequence[bool]] = None) -> np.ndarray:
+        """Start new requests, feed committed tokens, stop requests that are gone.
 
         Args:
             req_ids: request id of each batch row (``input_batch.req_ids``).
@@ -57,42 +87,39 @@ class RequestTracker:
             num_prompt_tokens: ``int[R]`` prompt length per row.
             num_tokens: ``int[R]`` committed tokens per row, prompt included
                 (``num_tokens_no_spec``).
+            alive: ids the engine still holds (``runner.requests``); a tracked id outside the batch
+                but alive keeps its state. None = only the batch is alive.
+            sampled: per row, True when the request is verified by sampling (temperature > 0).
+        Returns:
+            ``int64[R]`` the rows' engine slots.
         """
-        live = set(req_ids)
-        for rid in [r for r in self._cursor if r not in live]:
+        live = set(req_ids) | (set(alive) if alive is not None else set())
+        for rid in [r for r in self._reqs if r not in live]:
             self.planner.stop_request(rid)
-            del self._cursor[rid]
-        prev: list[np.ndarray] = []
-        nxt: list[np.ndarray] = []
-        groups: list[np.ndarray] = []
-        warm: list[tuple[np.ndarray, int]] = []
+            self._free.append(self._reqs.pop(rid).slot)
+        slots = np.zeros(len(req_ids), dtype=np.int64)
         for i, rid in enumerate(req_ids):
             n = int(num_tokens[i])
-            cur = self._cursor.get(rid)
-            if cur is None:
-                cur = min(int(num_prompt_tokens[i]), n)
-                self.planner.start_request(rid, token_ids[i, :cur].tolist())
-                if cur > 1:   # prompt bigrams warm-start empty successor rows
-                    warm.append((token_ids[i, :cur], self.planner.group_of(rid)))
-            if n > cur:
-                self.planner.extend(rid, token_ids[i, cur:n].tolist())
-                lo = max(cur, 1)
-                if n > lo:
-                    prev.append(token_ids[i, lo - 1:n - 1])
-                    nxt.append(token_ids[i, lo:n])
-                    groups.append(np.full(n - lo, self.planner.group_of(rid), dtype=np.int64))
-            self._cursor[rid] = max(n, cur)
-        succ = self.planner.successor
-        for p, g in warm if succ is not None else []:
-            ids = torch.from_numpy(p.astype(np.int64))
-            succ.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool), g)
-        if prev and succ is not None:
-            t = torch.from_numpy(np.concatenate(prev).astype(np.int64))
-            u = torch.from_numpy(np.concatenate(nxt).astype(np.int64))
-            succ.update(t, u[:, None], torch.ones_like(t, dtype=torch.bool), torch.from_numpy(np.concatenate(groups)))
+            r = self._reqs.get(rid)
+            if r is None:
+                p = min(int(num_prompt_tokens[i]), n)
+                slot = self._free.pop() if self._free else self._new_slot()
+                self.planner.begin_request(rid, slot, token_ids[i, :p].tolist(), token_ids[i, p:n].tolist(),
+                                           sampled=bool(sampled[i]) if sampled is not None else False)
+                r = self._reqs[rid] = _Req(slot, n, n)
+            elif n > r.cursor:
+                self.planner.extend(rid, token_ids[i, r.cursor:n].tolist())
+                r.cursor = n
+            slots[i] = r.slot
+        return slots
+
+    def _new_slot(self) -> int:
+        self._slots += 1
+        return self._slots - 1
 
     def stop_all(self) -> None:
         """Free every request (engine shutdown / tests)."""
-        for rid in list(self._cursor):
+        for rid in list(self._reqs):
             self.planner.stop_request(rid)
-        self._cursor.clear()
+        self._free.extend(r.slot for r in self._reqs.values())
+        self._reqs.clear()

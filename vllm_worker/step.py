@@ -3,24 +3,25 @@
 `GraftProposer` (proposer.py) owns one `GraftStep` and calls, every decode step:
 
 1. `begin`; then `record` once per EAGLE draft pass (K passes, top-1 continues the loop);
-2. `finish` with the batch's request ids and committed tokens: it prices last step's tree
-   against the tokens committed since (calibration), syncs per-request retrieval state
-   (`RequestTracker`), builds the spine tree (`chain.spine_tree`), runs the graft step
-   (`graft_spec.pipeline.GraftPlanner.build`) and returns each request's best chain
-   (`chain.best_chain`, by the calibrated estimates).
+2. `finish` with the batch's request ids and committed tokens: it hands last step's tree and the
+   tokens committed since to `GraftPlanner.observe_committed` (calibration, per-request
+   correction, successor table, token windows), syncs per-request state (`RequestTracker`:
+   `GraftPlanner.begin_request` / ``extend`` / ``stop_request``), builds the spine tree
+   (`chain.spine_tree`), runs the graft step (`GraftPlanner.build_chains`: no node deeper than
+   K) and returns each request's best chain (`chain.best_chain`, by the calibrated estimates).
 
 Kept separate from the proposer so it can be driven by a fake target on CPU (tests).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import numpy as np
 import torch
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import GraftPlanner, on_path_from_tokens
+from graft_spec.pipeline import GraftPlanner
 from graft_spec.step import StepOutput, tree_draft_candidates
 from graft_spec.tree import DraftTree
 
@@ -69,32 +70,38 @@ class GraftStep:
         """Draft passes recorded since `begin`."""
         return len(self._levels)
 
-    def _calibrate(self, req_ids: Sequence[str], token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Price last step's tree against what the target committed since (vLLM verifies one chain,
-        so the tree's other nodes are judged by `on_path_from_tokens`, exact under greedy decoding;
-        nodes deeper than the committed tokens are not counted)."""
+    def _observe(self, req_ids: Sequence[str], token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Last step's tree against the tokens the target committed since (`observe_committed`:
+        calibration, per-request correction, successor table, token windows). A row whose request is
+        not in this batch counts nothing (its tokens are not known yet)."""
         if self._last is None:
             return
         rids, old_n, out = self._last
         self._last = None
         row = {rid: i for i, rid in enumerate(req_ids)}
-        n = self.config.num_draft_tokens
-        committed = torch.zeros(len(rids), n, dtype=torch.int64)
+        width = int(out.depth.max()) + 1 if out.depth.numel() else 1   # accepted + bonus <= deepest + 1
+        committed = torch.zeros(len(rids), width, dtype=torch.int64)
         lens = torch.zeros(len(rids), dtype=torch.int64)
+        slots = torch.zeros(len(rids), dtype=torch.int64)
         for j, rid in enumerate(rids):
             i = row.get(rid)
+            if rid not in self.tracker:
+                continue
+            slots[j] = self.tracker.slot(rid)
             if i is None:
                 continue
-            new = token_ids[i, int(old_n[j]):int(num_tokens[i])][:n]
+            new = token_ids[i, int(old_n[j]):int(num_tokens[i])][:width]
             committed[j, : len(new)] = torch.from_numpy(np.asarray(new, dtype=np.int64))
             lens[j] = len(new)
-        on_path, known = on_path_from_tokens(out.tree, committed, lens)
-        bins = torch.where(known[:, :, None], out.member_bins, -1)
-        self.planner.calibrator.update(bins, on_path, out.depth, out.estimates)
+        self.planner.observe_committed(out, committed, lens, slots)
+        for j, rid in enumerate(rids):
+            self.tracker.advance(rid, int(lens[j]))
 
     def finish(self, root_tokens: torch.Tensor, req_ids: Sequence[str], token_ids: np.ndarray,
-               num_prompt_tokens: np.ndarray, num_tokens: np.ndarray, max_len: int) -> list[list[int]]:
-        """Sync requests, build the hybrid tree, return one chain per request.
+               num_prompt_tokens: np.ndarray, num_tokens: np.ndarray, max_len: int,
+               alive: Optional[Collection[str]] = None, sampled: Optional[Sequence[bool]] = None
+               ) -> list[list[int]]:
+        """Observe last step, sync requests, build the hybrid tree, return one chain per request.
 
         Args:
             root_tokens: ``int[B]`` last committed token per row (tree roots).
@@ -102,40 +109,52 @@ class GraftStep:
             token_ids, num_prompt_tokens, num_tokens: the batch's committed tokens
                 (see `RequestTracker.sync`).
             max_len: K, the longest chain vLLM verifies this step.
+            alive: request ids the engine still holds (``runner.requests``; None = the batch).
+            sampled: per row, True for a request verified by sampling (None = all greedy).
         Returns:
             B chains, ``list[int]`` of length <= K, deterministic given the context.
         Raises:
             RuntimeError: fewer than ``max_len`` draft passes were recorded.
         """
-        self._calibrate(req_ids, token_ids, num_tokens)
-        self.tracker.sync(req_ids, token_ids, num_prompt_tokens, num_tokens)
+        self._observe(req_ids, token_ids, num_tokens)
+        slots = self.tracker.sync(req_ids, token_ids, num_prompt_tokens, num_tokens, alive, sampled)
         b = len(req_ids)
         if max_len <= 0 or b == 0:
             return [[] for _ in range(b)]
         if len(self._levels) < max_len:
             raise RuntimeError(f"GraftStep: {len(self._levels)} draft passes recorded, need {max_len}")
+        n_tok = np.asarray(num_tokens[:b], dtype=np.int64)
+        self._refill_stale(req_ids, token_ids, n_tok, slots)
         levels = self._levels[:max_len]
         logp = torch.stack([lv[0][:b] for lv in levels], dim=1).cpu()     # [B, K, k]
         ids = torch.stack([lv[1][:b] for lv in levels], dim=1).cpu()      # [B, K, k]
         draft = spine_tree(root_tokens[:b].to("cpu", torch.int64), logp, ids)
         host = self.planner.host_candidates(list(req_ids))
-        # rows are batch positions here: the device history is rewritten from the input batch
-        n_tok = np.asarray(num_tokens[:b], dtype=np.int64)
-        hist = self.planner.history
-        self.planner.ensure_slots(b)
-        window = np.zeros((b, hist.length), dtype=np.int64)
-        for i in range(b):
-            tail = token_ids[i, max(0, n_tok[i] - hist.length):n_tok[i]]
-            window[i, : len(tail)] = tail
-        hist.reset(torch.arange(b), torch.from_numpy(window), torch.from_numpy(np.minimum(n_tok, hist.length)))
+        flags = torch.tensor([bool(x) for x in sampled[:b]] if sampled is not None else [False] * b,
+                             dtype=torch.bool)
         # the tracker fed every committed token (root included) to the host sources: no lag
-        seq = torch.from_numpy(n_tok) - 1
-        out = self.planner.build(tree_draft_candidates(draft), draft.tokens[:, 0], host, torch.arange(b), seq,
-                                 torch.zeros(b, dtype=torch.bool))
+        out = self.planner.build_chains(tree_draft_candidates(draft), draft.tokens[:, 0], host,
+                                        torch.from_numpy(slots), torch.from_numpy(n_tok) - 1, flags, max_len)
         tokens, length, expected = best_chain(out.tree, max_len)
         self.last_tree, self.last_expected = out.tree, expected
-        self._last = (list(req_ids), np.asarray(num_tokens[:b]).copy(), out)
+        self._last = (list(req_ids), n_tok.copy(), out)
         return [row[:n].tolist() for row, n in zip(tokens, length.tolist())]
+
+    def _refill_stale(self, req_ids: Sequence[str], token_ids: np.ndarray, n_tok: np.ndarray,
+                      slots: np.ndarray) -> None:
+        """Rewrite the device window of rows that missed committed tokens (a request left out of a
+        step, or more tokens than last step's tree could explain) from the host tokens."""
+        stale = [i for i, rid in enumerate(req_ids) if self.tracker.held(rid) != int(n_tok[i])]
+        if not stale:
+            return
+        width = self.planner.config.retrieval.history_len
+        window = np.zeros((len(stale), width), dtype=np.int64)
+        lens = np.zeros(len(stale), dtype=np.int64)
+        for j, i in enumerate(stale):
+            tail = token_ids[i, max(0, int(n_tok[i]) - width):int(n_tok[i])]
+            window[j, : len(tail)], lens[j] = tail, len(tail)
+            self.tracker.refilled(req_ids[i], int(n_tok[i]))
+        self.planner.reset_slots(torch.from_numpy(slots[stale]), torch.from_numpy(window), torch.from_numpy(lens))
 
     def close(self) -> None:
         """Free all per-request state."""
