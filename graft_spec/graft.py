@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from .candidates import Candidates
 from .calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUCCESSOR, NUM_MEMBERS
 from .config import GraftPolicy
 from .tree import (HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
@@ -145,23 +146,18 @@ def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, li
     return cap
 
 
-def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
-                 valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
-                 policy: Optional[GraftPolicy] = None, gain_nodes: Optional[int] = None,
-                 sampled: Optional[torch.Tensor] = None,
+def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy] = None,
+                 gain_nodes: Optional[int] = None, sampled: Optional[torch.Tensor] = None,
                  agreement: Optional[tuple] = None) -> tuple[DraftTree, torch.Tensor, torch.Tensor]:
     """Build the hybrid tree from a stacked candidate list (see module docstring).
 
     Args:
-        tokens: ``int64[B, U]``; index 0 is the root (the last verified token).
-        parents: ``int64[B, U]``; -1 for the root, else the parent's index (< own index).
-        key: ``float32[B, U]`` selection priority (estimated path acceptance; +inf = always keep).
-        est: ``float32[B, U]`` estimated path acceptance, reported as the node's ``logp``.
-        valid: ``bool[B, U]`` candidates that may be selected (the root must be valid); a node whose
-            parent is invalid is dropped with it.
-        member: ``int64[B, U]`` member source of each candidate (calibration.MEMBER_*); the root's is
-            ignored.
-        bins: ``int64[B, U]`` calibration bin of each candidate (-1: none).
+        cands: the stacked `Candidates` ``[B, U]`` (`Candidates.stack`): index 0 is the root (the
+            last verified token, parent -1), every other parent is an index below the node's own;
+            ``priority`` (``key`` or ``est``) is the selection key (+inf = always keep), ``est`` the
+            estimated path acceptance reported as the node's ``logp``; a node whose parent is not
+            ``valid`` is dropped with it (the root is always valid); ``member`` and ``bins`` are
+            each candidate's member source and calibration bin (the root's are ignored).
         num_nodes: N >= 2, root included.
         policy: ``min_score`` (drop nodes whose estimate is below it, unless their key is +inf) and
             ``root_width`` (at most this many new retrieved children of the root).
@@ -187,6 +183,8 @@ def merge_select(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor,
     if num_nodes < 2:
         raise ValueError(f"merge_select: num_nodes={num_nodes} must be >= 2")
     policy = policy if policy is not None else GraftPolicy()
+    tokens, parents, key, est = cands.tokens, cands.parents, cands.priority, cands.est
+    valid, member, bins = cands.valid, cands.member, cands.bins
     b, u = tokens.shape
     dev = tokens.device
     neg_inf = torch.full((), -math.inf, device=dev)

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from .candidates import Candidates
 from .calibration import (MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUCCESSOR, NUM_MEMBERS,
                           Calibrator)
 from .gate import kth_best
@@ -298,9 +299,8 @@ class GraftStep:
 
     # ------------------------------------------------------------------ parts
     def _draft_part(self, draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor,
-                    est_table: torch.Tensor):
-        """Root + the N - 1 best draft candidates (N = the pool): (tokens, parents, key, est, valid,
-        bins), [B, N]."""
+                    est_table: torch.Tensor) -> Candidates:
+        """The rooted block: the root + the N - 1 best draft candidates (N = the pool), ``[B, N]``."""
         cal, n = self.calibrator, self.pool
         b, s = draft.tokens.shape
         dev = draft.tokens.device
@@ -342,7 +342,7 @@ class GraftStep:
             keep = prune(tree, self.stages, n).keep
             refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
             key_n = torch.where(keep, math.inf, refill)
-        return tokens, parents, key_n, est_n, valid_n, bins_n
+        return Candidates(tokens, parents, est_n, valid_n, bins_n, torch.full_like(tokens, MEMBER_DRAFT), key_n)
 
     @staticmethod
     def _price(est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:
@@ -352,7 +352,8 @@ class GraftStep:
         return est if factors is None else RequestCorrection.price(est, member, factors)
 
     def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                        est_table: torch.Tensor, factors=None):
+                        est_table: torch.Tensor, factors=None) -> Candidates:
+        """The successor table's template expanded from every root (retrieval/successor.py)."""
         succ = self.successor
         tokens, valid = succ.expand(roots, groups)
         t = succ.size
@@ -360,10 +361,11 @@ class GraftStep:
         bins = self.calibrator.successor_bins(t, sampled)
         est = torch.where(valid, self._price(est_table, bins, MEMBER_SUCCESSOR, factors), 0.0)
         parents = succ.t_parent.expand(b, t)
-        return tokens, parents, est, valid, torch.where(valid, bins, -1)
+        return Candidates(tokens, parents, est, valid, torch.where(valid, bins, -1),
+                          torch.full_like(tokens, MEMBER_SUCCESSOR))
 
     def _chain_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                    est_table: torch.Tensor, factors=None):
+                    est_table: torch.Tensor, factors=None) -> Optional[Candidates]:
         """The device chain sources' candidates, priced by depth and match length in one pass: the
         lookup's chain (retrieval/lookup.py) then the output index's two (retrieval/output_ring.py, on
         the rows ``retrieval.outputs`` gives them to; default greedy), each ``D = pool - 1`` deep,
@@ -393,29 +395,29 @@ class GraftStep:
         est = torch.where(valid, self._price(est_table, bins, members, factors), 0.0)
         chain = torch.arange(-1, d - 1, device=dev)
         parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d)
-        return tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members
+        return Candidates(tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members)
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
-                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, factors=None):
+                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
+                   factors=None) -> Candidates:
+        """The host proposals (suffix, corpus) re-anchored at the device's root (`reanchor`)."""
         parents, depth, logp, match, valid = reanchor(host, hist, count, seq_lens)
         bins = self.calibrator.retrieval_bins(host.member, depth.clamp(min=1), logp, match, sampled)
         est = torch.where(valid, self._price(est_table, bins, host.member.clamp(0, NUM_MEMBERS - 1), factors), 0.0)
-        return host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member
+        return Candidates(host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member)
 
     def retrieve(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                  seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
-                 factors=None) -> list:
-        """The round's retrieved candidates, priced: one ``(tokens, parents, est, valid, bins,
-        member)`` tuple of ``[B, C_i]`` tensors per enabled part, in tree order (successor, the device
-        chains: lookup then outputs, host). ``parents`` index within the source's own candidates (-1 = the root).
+                 factors=None) -> list[Candidates]:
+        """The round's retrieved candidates, priced: one `Candidates` block ``[B, C_i]`` per enabled
+        part, in tree order (successor, the device chains: lookup then outputs, host).
 
         They do not depend on the step's width (every width prices the same N-wide pool), so the
         eager stop gate and the build of a round compute them once (`GraftPlanner.stop_gate`,
         ``retrieved`` of `__call__`). Arguments as for `__call__`."""
         parts = []
         if self.successor is not None:
-            tok, par, est, valid, bins = self._successor_part(roots, host.group, sampled, est_table, factors)
-            parts.append((tok, par, est, valid, bins, torch.full_like(tok, MEMBER_SUCCESSOR)))
+            parts.append(self._successor_part(roots, host.group, sampled, est_table, factors))
         chains = self._chain_part(hist, count, host.group, sampled, est_table, factors)
         if chains is not None:
             parts.append(chains)
@@ -423,16 +425,16 @@ class GraftStep:
             parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table, factors))
         return parts
 
-    def retrieval_floor(self, roots: torch.Tensor, parts: list) -> torch.Tensor:
+    def retrieval_floor(self, roots: torch.Tensor, parts: list[Candidates]) -> torch.Tensor:
         """``float32[B]``: a lower bound of the round's selection threshold at this step's width from
         the retrieved candidates alone (`retrieve`'s ``parts`` for ``roots`` ``int64[B]``): the max
         over sources of their (n-1)-th best estimate (gate.py; 0 without candidates). +inf when
         draft nodes are disabled (nothing to draft for). Groups are the retrieval members, numbered
         from the successor (the draft member has none)."""
         b, dev = roots.shape[0], roots.device
-        est = [torch.zeros(b, 0, device=dev)] + [p[2] for p in parts]
-        valid = [torch.zeros(b, 0, dtype=torch.bool, device=dev)] + [p[3] for p in parts]
-        member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)] + [p[5] for p in parts]
+        est = [torch.zeros(b, 0, device=dev)] + [p.est for p in parts]
+        valid = [torch.zeros(b, 0, dtype=torch.bool, device=dev)] + [p.valid for p in parts]
+        member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)] + [p.member for p in parts]
         group = (torch.cat(member, 1) - MEMBER_SUCCESSOR).clamp(min=0)
         floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), group, MEMBER_OUTPUTS - MEMBER_SUCCESSOR + 1,
                          self.n - 1)
@@ -460,45 +462,18 @@ class GraftStep:
             est_table: ``Calibrator.estimates()``.
             factors: the rows' per-request correction of the retrieval sources
                 (`RequestCorrection.factors`), or None.
-            retrieved: `retrieve`'s parts of these same inputs when already computed (the eager
+            retrieved: `retrieve`'s blocks of these same inputs when already computed (the eager
                 stop gate's), else None (computed here).
         Returns:
             `StepOutput` of width ``num_nodes`` (default ``config.num_draft_tokens``), with the gain
             curve over the full pool.
         """
-        parts_tok, parts_par, parts_key, parts_est, parts_valid, parts_member, parts_bins = [], [], [], [], [], [], []
-
-        tok, par, key, est, valid, bins = self._draft_part(draft, roots, sampled, est_table)
-        parts_tok.append(tok)
-        parts_par.append(par)
-        parts_key.append(key)
-        parts_est.append(est)
-        parts_valid.append(valid)
-        parts_member.append(torch.full_like(tok, MEMBER_DRAFT))
-        parts_bins.append(bins)
-        offset = tok.shape[1]
-
-        def add(tok, par, est, valid, bins, member):
-            nonlocal offset
-            parts_tok.append(tok)
-            parts_par.append(torch.where(par < 0, 0, par + offset))
-            parts_key.append(est)
-            parts_est.append(est)
-            parts_valid.append(valid)
-            parts_member.append(member)
-            parts_bins.append(bins)
-            offset += tok.shape[1]
-
         if retrieved is None:
             retrieved = self.retrieve(roots, host, hist, count, seq_lens, sampled, est_table, factors)
-        for part in retrieved:
-            add(*part)
-
-        valid = torch.cat(parts_valid, 1) & host.speculate[:, None]               # per-request opt-out
+        cands = Candidates.stack(self._draft_part(draft, roots, sampled, est_table), retrieved)
+        cands.valid = cands.valid & host.speculate[:, None]                        # per-request opt-out
         tree, member_bins, gain = merge_select(
-            torch.cat(parts_tok, 1), torch.cat(parts_par, 1), torch.cat(parts_key, 1), torch.cat(parts_est, 1),
-            valid, torch.cat(parts_member, 1), torch.cat(parts_bins, 1), self.n, self.config.graft,
-            gain_nodes=self.pool, sampled=sampled,
+            cands, self.n, self.config.graft, gain_nodes=self.pool, sampled=sampled,
             agreement=((self.calibrator.layout.offset(MEMBER_AGREE), est_table,
                         _mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftPolicy, PruneStage
+from graft_spec.candidates import Candidates
 from graft_spec.graft import merge_select, path_hashes
 from graft_spec.prune import DraftStopGate, prune
 from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank,
@@ -49,7 +50,8 @@ def graft(d: DraftTree, keep, cands, n, policy=None):
         member.append(torch.full_like(cands.tokens, MEMBER_SUFFIX))
     cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
     bins = torch.full_like(cat(toks), -1)
-    tree, _, _ = merge_select(cat(toks), cat(pars), cat(key), cat(est), cat(valid), cat(member), bins, n, policy)
+    cands = Candidates(cat(toks), cat(pars), cat(est), cat(valid), bins, cat(member), cat(key))
+    tree, _, _ = merge_select(cands, n, policy)
     return tree
 
 
@@ -184,7 +186,7 @@ def test_member_bins_credit_every_proposing_source():
     est = torch.tensor([[1.0, 0.5, 0.2, 0.6, 0.4, 0.3]])
     member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 3])
     bins = torch.tensor([[-1, 10, 11, 20, 21, 22]])
-    tree, mb, _ = merge_select(toks, pars, est, est, torch.ones(1, 6, dtype=torch.bool), member, bins, 5)
+    tree, mb, _ = merge_select(Candidates(toks, pars, est, torch.ones(1, 6, dtype=torch.bool), bins, member), 5)
     assert tree.tokens.tolist() == [[9, 1, 2, 3, 0]]
     assert tree.source[0].tolist() == [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED, SOURCE_RETRIEVED,
                                        SOURCE_PADDING]
@@ -207,15 +209,14 @@ def test_agreement_nodes_get_their_own_bin_and_estimate():
     bins = torch.tensor([[-1, 10, 11, 12, 20, 21, 22]])
     table = torch.zeros(200)
     table[110], table[111], table[112] = 0.95, 0.1, 0.99     # agreement bins of draft bins 10, 11 (12 unused)
-    tree, mb, _ = merge_select(toks, pars, est, est, torch.ones(1, 7, dtype=torch.bool), member, bins, 4,
-                               agreement=(100, table))
+    cands = Candidates(toks, pars, est, torch.ones(1, 7, dtype=torch.bool), bins, member)
+    tree, mb, _ = merge_select(cands, 4, agreement=(100, table))
     assert tree.tokens.tolist() == [[9, 1, 2, 3]]            # 9-5: capped at 1 - 0.95 by its agreed sibling
     assert torch.allclose(tree.logp[0, 1:].exp(), torch.tensor([0.95, 0.25, 0.25]))
     assert mb[0, 1, MEMBER_DRAFT] == -1 and mb[0, 1, MEMBER_AGREE] == 110 and mb[0, 1, MEMBER_SUFFIX] == 20
     assert mb[0, 2, MEMBER_DRAFT] == -1 and mb[0, 2, MEMBER_AGREE] == 111
     assert mb[0, 3, MEMBER_AGREE] == -1 and mb[0, 3, MEMBER_SUFFIX] == 22
-    tree, mb, _ = merge_select(toks, pars, est, est, torch.ones(1, 7, dtype=torch.bool), member, bins, 5,
-                               agreement=(100, table))
+    tree, mb, _ = merge_select(cands, 5, agreement=(100, table))
     assert tree.tokens.tolist() == [[9, 1, 2, 5, 3]]
     assert mb[0, 3, MEMBER_DRAFT] == 12 and mb[0, 3, MEMBER_AGREE] == -1
 
@@ -356,19 +357,18 @@ def test_siblings_share_their_parents_mass():
     greedy, sampled = torch.tensor([False]), torch.tensor([True])
     for policy, rows in [(GraftPolicy(), greedy), (GraftPolicy(), None),
                          (GraftPolicy(exclusive_siblings="always"), sampled)]:
-        tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3, policy, gain_nodes=5,
+        tree, _, gain = merge_select(Candidates(toks, pars, est, valid, bins, member), 3, policy, gain_nodes=5,
                                      sampled=rows)
         assert tree.tokens.tolist() == [[9, 1, 4]]
         # caps: 2 -> 1 - 0.8 = 0.2, and its child 3 with it; the gain curve sums the capped estimates
         assert torch.allclose(gain[0, :4], torch.tensor([0.8, 1.3, 1.5, 1.7]))
     for policy, rows in [(GraftPolicy(), sampled), (GraftPolicy(exclusive_siblings="never"), greedy)]:
-        tree, _, gain = merge_select(toks, pars, est, est, valid, member, bins, 3, policy, sampled=rows)
+        tree, _, gain = merge_select(Candidates(toks, pars, est, valid, bins, member), 3, policy, sampled=rows)
         assert tree.tokens.tolist() == [[9, 1, 2]]
         assert torch.allclose(gain[0, :2], torch.tensor([0.8, 1.5]))
     # a batch mixing both: each row as if alone
-    tree, _, _ = merge_select(toks.repeat(2, 1), pars.repeat(2, 1), est.repeat(2, 1), est.repeat(2, 1),
-                              valid.repeat(2, 1), member.repeat(2, 1), bins.repeat(2, 1), 3,
-                              sampled=torch.tensor([True, False]))
+    rep = Candidates(*(x.repeat(2, 1) for x in (toks, pars, est, valid, bins, member)))
+    tree, _, _ = merge_select(rep, 3, sampled=torch.tensor([True, False]))
     assert tree.tokens.tolist() == [[9, 1, 2], [9, 1, 4]]
 
 
@@ -403,7 +403,7 @@ def test_selection_does_not_depend_on_the_gain_curve_length(seed, u, n):
     valid = torch.tensor([[True] + [rng.random() < 0.85 for _ in range(u - 1)] for _ in range(b)])
     member = torch.full_like(toks, MEMBER_SUFFIX)
     bins = torch.full_like(toks, -1)
-    outs = [merge_select(toks, pars, est, est, valid, member, bins, n, gain_nodes=g) for g in (2, n, n + 7)]
+    outs = [merge_select(Candidates(toks, pars, est, valid, bins, member), n, gain_nodes=g) for g in (2, n, n + 7)]
     for tree, mb, _ in outs[1:]:
         assert torch.equal(tree.tokens, outs[0][0].tokens) and torch.equal(tree.parents, outs[0][0].parents)
         assert torch.equal(tree.logp, outs[0][0].logp) and torch.equal(mb, outs[0][1])

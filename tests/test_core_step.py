@@ -478,7 +478,7 @@ def test_build_reuses_the_gate_retrieval(seed):
     for width in (n, 6):
         gate = planner.stop_gate(roots, host, slots, seq, sampled, num_nodes=width)
         assert len(gate.retrieved.parts) == 3 and gate.retrieved.factors is not None   # successor, device chains, host
-        assert set(gate.retrieved.parts[1][5].unique().tolist()) == {MEMBER_LOOKUP, MEMBER_OUTPUTS}
+        assert set(gate.retrieved.parts[1].member.unique().tolist()) == {MEMBER_LOOKUP, MEMBER_OUTPUTS}
         own = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
         with OpCounter() as reused_ops:
             reused = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width,
