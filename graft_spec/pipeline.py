@@ -45,6 +45,7 @@ from .retrieval.output_ring import OutputRing
 from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
+from .kernels import fused_ops_everywhere
 from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
 from .tree import (NUM_SOURCES, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
@@ -68,6 +69,8 @@ __all__ = [
     # reference tree / verify functions (an engine's CPU execution layer) and chain verification
     "ancestor_mask", "node_depths", "sibling_links", "parents_from_mask", "eagle_step", "greedy_verify",
     "sample_verify", "best_chain", "spine_tree",
+    # the fused kernels' switch for op counting (graft_spec/kernels)
+    "fused_ops_everywhere",
 ]
 
 

@@ -39,14 +39,14 @@ from .calibration import (MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTP
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
+from .kernels import tree_layout as fused_tree_layout
 from .prune import PruneStages, prune
 from .request_correction import RequestCorrection
 from .retrieval.buffer import HostCandidates
 from .retrieval.lookup import LOOKUP_MAX_MATCH, lookup_propose
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
-from .tree import (SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, order_key, path_min, pointer_jumps,
-                   sibling_links, top_mask)
+from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
 
 __all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
@@ -156,11 +156,9 @@ def tree_layout(tree: DraftTree, seq_lens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verify-side arrays of a tree (SGLang ``build_tree_kernel_efficient``'s outputs,
     ``eagle_utils.py:138``): ``(depth, positions, ancestor mask bool[B, N, N], first_child,
-    next_sibling)``, positions = ``seq_len + depth``."""
-    jumps = pointer_jumps(tree.parents)
-    depth = node_depths(tree.parents, jumps)
-    first, nxt = sibling_links(tree.parents)
-    return depth, seq_lens.to(torch.int64)[:, None] + depth, ancestor_mask(tree.parents, jumps), first, nxt
+    next_sibling)``, positions = ``seq_len + depth``; one fused kernel on a CUDA device
+    (`graft_spec.kernels.tree_layout`)."""
+    return fused_tree_layout(tree.parents, seq_lens)
 
 
 @dataclass

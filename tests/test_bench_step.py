@@ -14,12 +14,15 @@ def test_step_bench_writes_graft_and_eagle_rows(tmp_path):
                             "--vocab", "2000"]) == 0
     data = json.loads(out.read_text())
     rows = {(r["method"], r["batch"]) for r in data["rows"]}
-    assert rows == {("graft", 1), ("eagle", 1), ("graft", 3), ("eagle", 3)}
+    assert rows == {(m, b) for m in ("graft", "graft_fused", "eagle") for b in (1, 3)}
     for r in data["rows"]:
         assert r["ops_per_round"] > 0 and r["host_us_per_round"] > 0
-        if r["method"] == "graft":
+        if r["method"] in ("graft", "graft_fused"):
             assert r["syncs_per_round"] == 0 and r["observe_syncs_per_round"] == 0
             assert r["host_to_device_copies_per_round"] == 1
+    by = {(r["method"], r["batch"]): r["ops_per_round"] for r in data["rows"]}
+    for b in (1, 3):   # each fused kernel replaces its reference's ops by one launch
+        assert by[("graft_fused", b)] < by[("graft", b)]
     assert {(r["batch"], r["num_draft_tokens"]) for r in data["ratios"]} == {(1, 24), (3, 24)}
 
 

@@ -9,6 +9,10 @@ into a verify input, in the same process and run:
 * ``graft``: ``GraftPlanner.build`` (graft_spec/step.py) with the default config (no checkpoints):
   calibrated rerank, successor expansion, re-anchoring of the host candidate buffer, merge /
   dedupe / select, layout.
+* ``graft_fused``: the same build with every fused kernel of graft_spec/kernels/ called as its
+  custom op (one op each; on CPU the op's implementation is the torch reference, so its time here
+  is the reference's): the launches the GPU path runs. Parts without a fused kernel yet run their
+  torch ops as in ``graft``.
 
 Per row: ``ops_per_round`` (aten ops dispatched, views excluded: each is at least one kernel on a
 GPU), ``syncs_per_round`` (ops that read device data on the host, copy between devices or have
@@ -47,7 +51,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import GraftPlanner, dense_draft_candidates, eagle_step, on_path_from_accept_index
+from graft_spec.pipeline import (GraftPlanner, dense_draft_candidates, eagle_step, fused_ops_everywhere,
+                                 on_path_from_accept_index)
 
 #: ops that only re-describe memory (no kernel on a GPU)
 VIEW_OPS = frozenset({"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze", "squeeze", "permute",
@@ -208,7 +213,7 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
     if inductor:
         compiled = torch.compile(lambda *a: planner.step(*a), fullgraph=True, dynamic=False)
     rows = {m: {"ops": [], "syncs": [], "t": []}
-            for m in ("graft", "eagle", "graft_inductor", "graft_eager_gated", "graft_eager_gated_unshared")}
+            for m in ("graft", "graft_fused", "eagle", "graft_inductor", "graft_eager_gated", "graft_eager_gated_unshared")}
     host_t, obs_ops, obs_syncs = [], [], []
     warm = 3
     for it in range(rounds + warm):
@@ -232,6 +237,12 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
             graft_build()
         if c.by_function:
             functions = c.functions
+        with fused_ops_everywhere():
+            tf = time.perf_counter()
+            graft_build()
+            tf = time.perf_counter() - tf
+            with OpCounter() as cf:
+                graft_build()
         null = OpCounter()
         t4 = time.perf_counter()
         _eagle_build(sl, tl, pl, roots, seq, n, topk, depth, null)
@@ -287,6 +298,9 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
             rows["graft"]["ops"].append(c.ops)
             rows["graft"]["syncs"].append(c.syncs)
             rows["graft"]["t"].append(t3 - t2)
+            rows["graft_fused"]["ops"].append(cf.ops)
+            rows["graft_fused"]["syncs"].append(cf.syncs)
+            rows["graft_fused"]["t"].append(tf)
             rows["eagle"]["ops"].append(ce.ops)
             rows["eagle"]["syncs"].append(ce.syncs)
             rows["eagle"]["t"].append(t5 - t4)
@@ -305,12 +319,12 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
                "ops_per_round": statistics.median(r["ops"]), "syncs_per_round": statistics.median(r["syncs"]),
                "host_us_per_round": round(1e6 * statistics.median(r["t"]), 1),
                "host_us_per_round_min": round(1e6 * min(r["t"]), 1)}
-        if method == "graft":
+        if method in ("graft", "graft_fused"):   # observe: no fused kernel yet, the same ops on both
             row.update(host_side_us_per_round=round(1e6 * statistics.median(host_t), 1),
                        host_to_device_copies_per_round=1 if planner.buffer.width else 0,
                        observe_ops_per_round=statistics.median(obs_ops),
                        observe_syncs_per_round=statistics.median(obs_syncs))
-            if by_function:   # the last round's ops per graft_spec function, inclusive, largest first
+            if by_function and method == "graft":   # last round's ops per graft_spec function, largest first
                 row["ops_by_function"] = dict(sorted(functions.items(), key=lambda kv: -kv[1]))
         out_rows.append(row)
     return out_rows

@@ -1,0 +1,14 @@
+"""Fused device kernels of the graft step, each beside the torch reference it must equal bit for bit.
+
+Every kernel is a Triton program registered as a torch custom op (``torch.library``), so one launch
+is one op to the dispatcher (and to ``sglang_patch.bench.step``'s counter), it can be captured in a
+CUDA graph and traced by ``torch.compile``. The op's CPU implementation is the torch reference; on a
+CUDA device the Triton kernel runs. ``tests/test_kernels.py`` runs every kernel under
+``TRITON_INTERPRET=1`` on CPU tensors against its reference.
+
+Switch: ``GRAFT_REFERENCE_KERNELS=1`` makes every call take the torch reference on every device.
+"""
+
+from .layout import fused_enabled, fused_ops_everywhere, tree_layout
+
+__all__ = ["fused_enabled", "fused_ops_everywhere", "tree_layout"]

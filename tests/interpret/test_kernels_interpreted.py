@@ -1,0 +1,77 @@
+"""Every fused kernel against its torch reference, bit for bit, run by Triton's interpreter on CPU.
+
+Collected in the main test run, these tests skip unless ``TRITON_INTERPRET=1`` was set before
+Triton was imported; tests/test_kernels.py runs this file in a subprocess with it set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 before Triton is imported (tests/test_kernels.py)")
+
+
+def _trees(draw, b: int, n: int) -> torch.Tensor:
+    """``int64[b, n]`` parents: random trees, chains and stars mixed (root -1, parent < index)."""
+    rows = []
+    for _ in range(b):
+        shape = draw(st.sampled_from(["random", "chain", "star", "deep_then_wide"]))
+        if shape == "chain":
+            par = [-1] + list(range(n - 1))
+        elif shape == "star":
+            par = [-1] + [0] * (n - 1)
+        elif shape == "deep_then_wide":
+            half = n // 2
+            par = [-1] + list(range(half - 1)) + [half - 1] * (n - half)
+        else:
+            par = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+        rows.append(par[:n])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@st.composite
+def layouts(draw):
+    b = draw(st.sampled_from([1, 3, 16]))
+    n = draw(st.sampled_from([2, 5, 24, 37, 60]))
+    parents = _trees(draw, b, n)
+    seq_lens = torch.tensor([draw(st.integers(0, 4096)) for _ in range(b)], dtype=torch.int64)
+    return parents, seq_lens
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=layouts())
+def test_tree_layout_kernel_equals_reference(case):
+    from graft_spec.kernels.layout import layout_reference, layout_triton
+
+    parents, seq_lens = case
+    fused = layout_triton(parents, seq_lens)
+    ref = layout_reference(parents, seq_lens)
+    for name, a, r in zip(("depth", "positions", "mask", "first_child", "next_sibling"), fused, ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert torch.equal(a, r), name
+
+
+@pytest.mark.parametrize("n", [24, 60])
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_tree_layout_kernel_on_merge_select_trees(b, n):
+    """The trees the step builds (padding included), at the issue's batch sizes and widths."""
+    from graft_spec.config import GraftConfig
+    from graft_spec.kernels.layout import layout_reference, layout_triton
+    from graft_spec.pipeline import GraftPlanner
+
+    from test_core_step import SHAPES, dense_inputs
+
+    topk, steps = SHAPES[n]
+    planner = GraftPlanner(GraftConfig(num_draft_tokens=n, topk=topk, depth=steps), 500, max_slots=b)
+    planner.ensure_slots(b)
+    args = dense_inputs(b, topk, steps, 500, 16, "cpu", torch.Generator().manual_seed(b * n))
+    out = planner.build(*args)
+    fused = layout_triton(out.tree.parents, args[4])
+    for a, r in zip(fused, layout_reference(out.tree.parents, args[4])):
+        assert torch.equal(a, r)
