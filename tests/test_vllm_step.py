@@ -331,3 +331,15 @@ def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_
     assert seen["begin"] == [("g", False), ("s", True)]
     assert seen["sampled"] == [[False, True]] * 3
     assert seen["observe"] == 2                       # steps 2 and 3 observe steps 1 and 2
+
+
+def test_per_source_acceptance_is_logged(caplog):
+    vocab, k = 64, 2
+    step = GraftStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
+    step.log_every = 3
+    target = _bigram(vocab, 4)
+    with caplog.at_level("INFO", logger="vllm.graft"):
+        _decode(step, target, target, {"a": [1, 2, 3]}, k, new_tokens=12)
+    lines = [r.getMessage() for r in caplog.records if "acceptance by source" in r.getMessage()]
+    assert lines and "draft" in lines[0]
+    assert step.log_sources()["members"]["draft"]["trials"] > 0

@@ -10,11 +10,15 @@
    (`chain.spine_tree`), runs the graft step (`GraftPlanner.build_chains`: no node deeper than
    K) and returns each request's best chain (`chain.best_chain`, by the calibrated estimates).
 
+Every `log_every` steps the calibration's per-source acceptance is logged (`log_sources`), beside
+vLLM's own ``SpecDecoding metrics`` line (which counts graft's chains like any drafts).
+
 Kept separate from the proposer so it can be driven by a fake target on CPU (tests).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Collection, Optional, Sequence
 
 import numpy as np
@@ -30,6 +34,8 @@ from .requests import RequestTracker
 
 __all__ = ["GraftStep"]
 
+logger = logging.getLogger("vllm.graft")   # child of vLLM's logger: same handler and format
+
 
 class GraftStep:
     """Per-engine Graft state: planner, request tracker, and the current step's draft levels.
@@ -39,6 +45,9 @@ class GraftStep:
         vocab_size: target vocabulary size (successor-table rows).
     """
 
+    #: steps between two `log_sources` lines (0: never)
+    log_every = 500
+
     def __init__(self, config: GraftConfig, vocab_size: int):
         self.config = config
         self.planner = GraftPlanner(config, vocab_size, device="cpu")
@@ -47,6 +56,7 @@ class GraftStep:
         self.last_tree: Optional[DraftTree] = None       # hybrid tree of the last step
         self.last_expected: Optional[torch.Tensor] = None  # float32[B] expected accepted length
         self._last: Optional[tuple[list, np.ndarray, StepOutput]] = None
+        self._observed = 0
 
     def begin(self) -> None:
         """Start a decode step (drops the previous step's draft levels)."""
@@ -96,6 +106,19 @@ class GraftStep:
         self.planner.observe_committed(out, committed, lens, slots)
         for j, rid in enumerate(rids):
             self.tracker.advance(rid, int(lens[j]))
+        self._observed += 1
+        if self.log_every and self._observed % self.log_every == 0:
+            self.log_sources()
+
+    def log_sources(self) -> dict:
+        """Log (logger ``vllm.graft``, INFO, beside vLLM's own SpecDecoding metrics line) and return the
+        calibration's per-source figures: trials, estimated and observed acceptance of every source's
+        nodes since start (`Calibrator.summary`; one host read)."""
+        summary = self.planner.calibrator.summary()
+        parts = [f"{name} {m['observed']:.3f} (est {m['estimated']:.3f}, {m['trials']} nodes)"
+                 for name, m in summary["members"].items() if m["trials"]]
+        logger.info("graft: acceptance by source after %d steps: %s", self._observed, ", ".join(parts) or "none yet")
+        return summary
 
     def finish(self, root_tokens: torch.Tensor, req_ids: Sequence[str], token_ids: np.ndarray,
                num_prompt_tokens: np.ndarray, num_tokens: np.ndarray, max_len: int,
