@@ -103,21 +103,22 @@ def cap_depth(parts: list, max_depth: int) -> list:
 
     Args:
         parts: `graft_spec.step.GraftStep.retrieve`'s `Candidates` blocks ``[B, C_i]``, ``parents``
-            indexing the block's own candidates (-1 = the root, so a candidate's depth is its parent
-            chain's length + 1).
+            indexing the block's own candidates (-1 = a child of the root, so a candidate's depth is
+            its parent chain's length + 1).
         max_depth: the longest chain verified (vLLM's K), >= 1.
     Returns:
-        The same blocks with the candidates below ``max_depth`` made invalid (`Candidates.where`;
-        their descendants are deeper still, so no kept node loses its parent).
+        The same blocks with the candidates below ``max_depth`` made invalid (`Candidates.where`:
+        ``valid`` False, ``est`` 0, ``bins`` -1; their descendants are deeper still, so no kept node
+        loses its parent).
     Raises:
         ValueError: ``max_depth`` < 1.
     """
     if max_depth < 1:
         raise ValueError(f"cap_depth: max_depth={max_depth} must be >= 1")
     out = []
-    for p in parts:
-        b = p.tokens.shape[0]
-        full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=p.tokens.device),
-                          torch.where(p.parents < 0, 0, p.parents + 1).to(torch.int64)], 1)
-        out.append(p.where(node_depths(full)[:, 1:] <= max_depth))
+    for part in parts:
+        b = part.parents.shape[0]
+        full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=part.parents.device),
+                          torch.where(part.parents < 0, 0, part.parents + 1).to(torch.int64)], 1)
+        out.append(part.where(node_depths(full)[:, 1:] <= max_depth))
     return out
