@@ -17,8 +17,8 @@ from .metrics import AcceptanceStats
 from .pipeline import GraftPlanner
 from .prune import PruneResult
 from .step import DraftCandidates, GraftStep, StepOutput
-from .tree import (NUM_SOURCES, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
-                   ancestor_mask, eagle_rerank, eagle_step, node_depths, parents_from_mask, sibling_links,
+from .sources import NUM_SOURCES, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING
+from .tree import (DraftTree, ancestor_mask, eagle_rerank, eagle_step, node_depths, parents_from_mask, sibling_links,
                    tree_from_selection)
 from .verify import VerifyResult, greedy_verify, logits_to_probs, sample_verify
 
@@ -26,7 +26,7 @@ __all__ = [
     "BatchBudget", "BatchBudgetConfig", "Calibrator", "CalibrationConfig", "GraftConfig", "GraftPolicy", "PruneStage", "RetrievalConfig",
     "load_config", "AcceptanceStats", "GraftPlanner", "PruneResult", "DraftCandidates", "GraftStep",
     "StepOutput",
-    "NUM_SOURCES", "SOURCE_DRAFT", "SOURCE_NAMES", "SOURCE_PADDING", "SOURCE_RETRIEVED", "DraftTree",
+    "NUM_SOURCES", "SOURCE_DRAFT", "SOURCE_NAMES", "SOURCE_PADDING", "DraftTree",
     "ancestor_mask", "eagle_rerank", "eagle_step", "node_depths", "parents_from_mask", "sibling_links",
     "tree_from_selection",
     "VerifyResult", "greedy_verify", "logits_to_probs", "sample_verify",

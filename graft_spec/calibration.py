@@ -66,24 +66,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .sources import (NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_NAMES,
+                      SOURCE_SUCCESSOR, SOURCE_SUFFIX, SOURCE_OUTPUTS)
+
 __all__ = [
-    "MEMBER_DRAFT", "MEMBER_SUCCESSOR", "MEMBER_SUFFIX", "MEMBER_CORPUS", "MEMBER_LOOKUP", "MEMBER_OUTPUTS",
-    "MEMBER_AGREE", "NUM_MEMBERS",
-    "MEMBER_NAMES", "RETRIEVAL_MEMBERS",
     "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator", "linear_correction", "apply_correction",
 ]
-
-MEMBER_DRAFT = 0      #: proposed by the draft model
-MEMBER_SUCCESSOR = 1  #: successor table (token recycling)
-MEMBER_SUFFIX = 2     #: per-request suffix index
-MEMBER_CORPUS = 3     #: shared corpus
-MEMBER_LOOKUP = 4     #: prompt lookup in the slot's device history
-MEMBER_OUTPUTS = 5    #: earlier requests' outputs (cross-request index)
-MEMBER_AGREE = 6      #: proposed by the draft and by at least one retrieval source (set by merge_select)
-NUM_MEMBERS = 7
-MEMBER_NAMES = ("draft", "successor", "suffix", "corpus", "lookup", "outputs", "agree")
-#: The members priced by `Calibrator.retrieval_bins` (depth, path probability, match length).
-RETRIEVAL_MEMBERS = (MEMBER_SUFFIX, MEMBER_CORPUS, MEMBER_LOOKUP, MEMBER_OUTPUTS)
 
 #: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
 LOGP_EDGES = (-0.1, -0.3, -0.6, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0, -14.0)
@@ -141,7 +129,7 @@ class BinLayout:
 
     @property
     def per_mode(self) -> int:
-        return 2 * self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
+        return 2 * self.draft_bins + self.template_size + len(RETRIEVAL_SOURCES) * self.retrieval_bins
 
     @property
     def size(self) -> int:
@@ -150,13 +138,13 @@ class BinLayout:
 
     def offset(self, member: int) -> int:
         """First bin of a member source's block within one mode."""
-        if member == MEMBER_DRAFT:
+        if member == SOURCE_DRAFT:
             return 0
-        if member == MEMBER_SUCCESSOR:
+        if member == SOURCE_SUCCESSOR:
             return self.draft_bins
-        if member == MEMBER_AGREE:
-            return self.draft_bins + self.template_size + len(RETRIEVAL_MEMBERS) * self.retrieval_bins
-        return self.draft_bins + self.template_size + RETRIEVAL_MEMBERS.index(member) * self.retrieval_bins
+        if member == SOURCE_AGREE:
+            return self.draft_bins + self.template_size + len(RETRIEVAL_SOURCES) * self.retrieval_bins
+        return self.draft_bins + self.template_size + RETRIEVAL_SOURCES.index(member) * self.retrieval_bins
 
 
 def linear_correction(trials: torch.Tensor, estimated: torch.Tensor, hits: torch.Tensor,
@@ -233,19 +221,19 @@ class Calibrator:
         self.depth_edges = torch.tensor(DEPTH_EDGES, device=self.device)
         self.match_edges = torch.tensor(MATCH_EDGES, device=self.device)
         self.prior = self._prior(successor_prior.to(self.device)).contiguous()
-        self._retrieval_base = torch.tensor([layout.offset(m) if m in RETRIEVAL_MEMBERS else 0
+        self._retrieval_base = torch.tensor([layout.offset(m) if m in RETRIEVAL_SOURCES else 0
                                              for m in range(NUM_MEMBERS)], device=self.device)
         # [2 modes, retrieval members, depth bins, q bins * match bins] indices of the retrieval bins
         per = layout.num_q * layout.num_match
         first = torch.tensor([[mode * layout.per_mode + layout.offset(m) for m in
-                               RETRIEVAL_MEMBERS] for mode in (0, 1)], device=self.device)
+                               RETRIEVAL_SOURCES] for mode in (0, 1)], device=self.device)
         self._retr_idx = (first[:, :, None, None] + torch.arange(layout.num_depth, device=self.device)[:, None] * per
                           + torch.arange(per, device=self.device)).contiguous()
         # the chain's prior weight per depth bin, ``[D, 1]``: 0 at the shallowest (its prior is fixed)
         self._chain_weight = torch.tensor([0.0, *(self.w * CHAIN_DECAY ** (b - a)
                                                   for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:]))],
                                           device=self.device)[:, None]
-        agree = layout.offset(MEMBER_AGREE)
+        agree = layout.offset(SOURCE_AGREE)
         self._agree_idx = torch.stack([mode * layout.per_mode + agree + torch.arange(layout.draft_bins, device=self.device)
                                        for mode in (0, 1)])                       # [2 modes, agreement bins]
         n = layout.size + 1
@@ -264,8 +252,8 @@ class Calibrator:
     def _source_groups(self) -> torch.Tensor:
         """``int64[size + 1]``: the (mode, member) row of `recent` every bin belongs to."""
         lay = self.layout
-        sizes = {MEMBER_DRAFT: lay.draft_bins, MEMBER_SUCCESSOR: lay.template_size, MEMBER_AGREE: lay.draft_bins,
-                 **{m: lay.retrieval_bins for m in RETRIEVAL_MEMBERS}}
+        sizes = {SOURCE_DRAFT: lay.draft_bins, SOURCE_SUCCESSOR: lay.template_size, SOURCE_AGREE: lay.draft_bins,
+                 **{m: lay.retrieval_bins for m in RETRIEVAL_SOURCES}}
         group = torch.full((lay.size + 1,), 2 * NUM_MEMBERS, dtype=torch.int64)
         for mode in (0, 1):
             for m, n in sizes.items():
@@ -298,18 +286,18 @@ class Calibrator:
 
     def successor_bins(self, slots: int, sampled: torch.Tensor) -> torch.Tensor:
         """Bins of successor template slots 0..slots-1: ``int64[B, slots]``."""
-        ar = torch.arange(slots, device=self.device) + self.layout.offset(MEMBER_SUCCESSOR)
+        ar = torch.arange(slots, device=self.device) + self.layout.offset(SOURCE_SUCCESSOR)
         return ar[None, :] + self._mode_base(sampled)[:, None]
 
     def retrieval_bins(self, member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor,
                        match: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """Bins of suffix / corpus / lookup / outputs nodes (``member`` one of `RETRIEVAL_MEMBERS` per
+        """Bins of suffix / corpus / lookup / outputs nodes (``member`` one of `RETRIEVAL_SOURCES` per
         node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
         Returns ``int64[B, M]``."""
         lay = self.layout
         within = ((self.depth_bin(depth) * lay.num_q + self.q_bin(logp)) * lay.num_match
                   + self.match_bin(match))
-        base = self._retrieval_base[member.clamp(MEMBER_SUFFIX, MEMBER_OUTPUTS)]
+        base = self._retrieval_base[member.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)]
         return base + within + self._mode_base(sampled)[:, None]
 
     # ------------------------------------------------------------------ priors / estimates
@@ -323,7 +311,7 @@ class Calibrator:
                 ).expand(lay.num_depth, lay.num_q, lay.num_match).reshape(-1)
         succ = torch.zeros(lay.template_size, device=self.device)
         succ[: successor_prior.numel()] = successor_prior.float()[: lay.template_size]
-        mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_MEMBERS), draft.sqrt()])
+        mode = torch.cat([draft, succ, *[retr] * len(RETRIEVAL_SOURCES), draft.sqrt()])
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
     def refresh(self) -> torch.Tensor:
@@ -460,6 +448,6 @@ class Calibrator:
         ms = self.member_stats.cpu().tolist()
         ds = self.depth_stats.cpu().tolist()
         members = {name: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None)}
-                   for name, (t, e, h) in zip(MEMBER_NAMES, ms)}
+                   for name, (t, e, h) in zip(SOURCE_NAMES[:NUM_MEMBERS], ms)}
         depths = {d: {"trials": int(t), "observed": h / t} for d, (t, h) in enumerate(ds) if t > 0}
         return {"members": members, "depths": depths}

@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from .tree import SOURCE_DRAFT, DraftTree, ancestor_mask, node_depths, node_paths, path_min, pointer_jumps
+from .sources import SOURCE_DRAFT
+from .tree import DraftTree, ancestor_mask, node_depths, node_paths, path_min, pointer_jumps
 
 __all__ = ["spine_tree", "best_chain", "cap_depth"]
 

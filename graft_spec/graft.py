@@ -23,7 +23,8 @@ then the successor template, then the host proposals), batched, with fixed itera
 4. **Compact** in stacked order (topological: every parent, after re-pointing, has a smaller
    index) and **pad** the rest: padding nodes are children of the root with the smallest token ids
    not used by the root's real children (0, 1, ...), so even padding keeps siblings distinct;
-   ``source = SOURCE_PADDING``, ``logp = -inf``.
+   ``source = SOURCE_PADDING``, ``logp = -inf``. A real node's source is its best member's, or
+   ``SOURCE_AGREE`` for an agreement node (graft_spec/sources.py).
 
 No host reads and no data-dependent shapes: the same code runs eagerly on CPU, on an accelerator,
 on ``meta`` tensors and under ``torch.compile(fullgraph=True)`` (tests/test_core_step.py).
@@ -37,10 +38,9 @@ from typing import Optional
 import torch
 
 from .candidates import Candidates
-from .calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUCCESSOR, NUM_MEMBERS
 from .config import GraftPolicy
-from .tree import (HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
-                   pointer_jumps, order_key, path_min, top_mask)
+from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUCCESSOR
+from .tree import HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, DraftTree, pointer_jumps, order_key, path_min, top_mask
 
 __all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select"]
 
@@ -166,7 +166,7 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
         sampled: ``bool[B]`` rows verified by sampling (None: all greedy); with
             ``policy.exclusive_siblings == "greedy"`` only the other rows get `sibling_caps`.
         agreement: ``(offset, estimates[, rows])``: the agreement bin of a node is its draft bin +
-            ``offset`` (``BinLayout.offset(MEMBER_AGREE)``), priced from the ``float32`` table
+            ``offset`` (``BinLayout.offset(SOURCE_AGREE)``), priced from the ``float32`` table
             ``estimates`` (`Calibrator.estimates`), on the rows of ``bool[B]`` ``rows`` (None or
             absent: every row); None and the other rows: agreement nodes are priced by their best
             member and credit the draft bin (calibration.py).
@@ -174,8 +174,8 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
         ``(tree, member_bins, gain)``: ``gain`` ``float32[B, gain_nodes - 1]``, ``gain[:, k]`` = sum
         of the estimates of the k + 1 best non-root nodes (the selection order; every prefix of it is
         ancestor-closed), so a tree of w nodes is expected to accept ``1 + gain[:, w - 2]`` tokens; `DraftTree` ``[B, N]`` (topological, distinct siblings, padding only
-        after the real nodes, ``logp`` = log of the estimate, source draft / retrieved / padding of the
-        best member) and ``int64[B, N, NUM_MEMBERS]`` the bin of every member of every node (-1 none;
+        after the real nodes, ``logp`` = log of the estimate, source: the best member's, ``SOURCE_AGREE`` for an
+        agreement node, ``SOURCE_PADDING`` for padding) and ``int64[B, N, NUM_MEMBERS]`` the bin of every member of every node (-1 none;
         the root and padding have none).
     Raises:
         ValueError: ``num_nodes < 2``.
@@ -207,7 +207,8 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     best_idx = ((1 << IDX_BITS) - 1 - (best & ((1 << IDX_BITS) - 1))).clamp(0, u - 1)
     gkey = key.gather(1, best_idx)
     gest = est.float().gather(1, best_idx)
-    src = torch.where(member.gather(1, best_idx) == MEMBER_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED)
+    src = member.gather(1, best_idx)                       # the best member's source (graft_spec/sources.py)
+    retrieved_best = src != SOURCE_DRAFT
     # every member's bin, per member source, on its canonical node
     slot = canon * NUM_MEMBERS + member.clamp(0, NUM_MEMBERS - 1)
     mb = torch.full((b, u * NUM_MEMBERS), -1, dtype=torch.int64, device=dev).scatter_reduce(
@@ -215,8 +216,8 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     if agreement is not None:   # draft + retrieval on one node: its own bin, credited instead of the draft's
         offset, table, *rows = agreement
         mb = mb.view(b, u, NUM_MEMBERS)
-        drafted = mb[:, :, MEMBER_DRAFT]
-        retrieved = (mb[:, :, MEMBER_SUCCESSOR:MEMBER_AGREE] >= 0).any(dim=2)   # any member but draft / agree
+        drafted = mb[:, :, SOURCE_DRAFT]
+        retrieved = (mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE] >= 0).any(dim=2)   # any member but draft / agree
         agree = (drafted >= 0) & retrieved
         if rows and rows[0] is not None:
             agree = agree & rows[0][:, None]
@@ -224,8 +225,9 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
         agree_est = torch.where(agree, table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
         gest = torch.where(agree, torch.maximum(gest, agree_est), gest)
         gkey = torch.where(agree & (gkey < math.inf), torch.maximum(gkey, agree_est), gkey)
-        mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, MEMBER_SUCCESSOR:MEMBER_AGREE].unbind(2),
+        mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE].unbind(2),
                           agree_bin], dim=2)
+        src = torch.where(agree, SOURCE_AGREE, src)
         mb = mb.reshape(b, u * NUM_MEMBERS)
 
     unique = valid & (canon == ar)
@@ -233,7 +235,7 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     cpar[:, 0].fill_(-1)
     gkey = torch.where(unique, gkey, neg_inf)
     if policy.root_width is not None:
-        kids = unique & (cpar == 0) & (src == SOURCE_RETRIEVED)
+        kids = unique & (cpar == 0) & retrieved_best
         allowed = top_mask(order_key(torch.where(kids, gkey, neg_inf)), policy.root_width)
         gkey = torch.where(kids & ~allowed, neg_inf, gkey)
     # monotone along paths: drops subtrees of invalid / capped / non-unique parents and makes

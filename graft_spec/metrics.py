@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .tree import NUM_SOURCES, SOURCE_NAMES
+from .sources import NUM_SOURCES, SOURCE_NAMES
 from .verify import VerifyResult
 
 __all__ = ["AcceptanceStats"]

@@ -33,7 +33,7 @@ from typing import Hashable, Optional, Sequence
 import torch
 
 from .budget import BatchBudget
-from .calibration import MEMBER_NAMES, BinLayout, Calibrator
+from .calibration import BinLayout, Calibrator
 from .chain import best_chain, spine_tree
 from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
@@ -48,7 +48,9 @@ from .history import TokenHistory
 from .kernels import fused_ops_everywhere
 from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
-from .tree import (NUM_SOURCES, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree,
+from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, SOURCE_LETTERS, SOURCE_NAMES,
+                      SOURCE_PADDING)
+from .tree import (DraftTree,
                    ancestor_mask, eagle_step, node_depths, parents_from_mask, path_min, pointer_jumps,
                    sibling_links)
 from .verify import greedy_verify, sample_verify
@@ -64,8 +66,9 @@ __all__ = [
     "tree_draft_candidates",
     # host-side controllers an adapter drives
     "BatchBudget", "DraftStopGate", "StepGraphs",
-    # names: tree node sources and calibration members
-    "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES", "MEMBER_NAMES",
+    # names: the sources of tree nodes (graft_spec/sources.py)
+    "SOURCE_DRAFT", "SOURCE_PADDING", "NUM_SOURCES", "NUM_MEMBERS", "SOURCE_NAMES", "SOURCE_LETTERS",
+    "GRAFTED_SOURCES",
     # reference tree / verify functions (an engine's CPU execution layer) and chain verification
     "ancestor_mask", "node_depths", "sibling_links", "parents_from_mask", "eagle_step", "greedy_verify",
     "sample_verify", "best_chain", "spine_tree",
@@ -120,7 +123,7 @@ class RoundStats:
     """What a verified round leaves for the host, as device tensors.
 
     Attributes:
-        sources: ``int64[B, N - 1]`` the source (SOURCE_*) of each accepted non-root node in path
+        sources: ``int64[B, N - 1]`` the source (graft_spec/sources.py) of each accepted non-root node in path
             order, -1 after the path.
         members: ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) per member source.
         depths: ``float64[D + 1, 2]`` (verified, accepted) nodes per depth (row 0 unused).

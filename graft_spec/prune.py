@@ -21,7 +21,8 @@ from typing import Sequence
 import torch
 
 from .config import PruneStage
-from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
+from .sources import SOURCE_DRAFT
+from .tree import DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
 
 __all__ = ["PruneResult", "PruneStages", "checkpoint_confidence", "select_stage", "prune", "DraftStopGate"]
 

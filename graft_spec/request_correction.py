@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import torch
 
-from .calibration import (MEMBER_SUCCESSOR, NUM_MEMBERS, RETRIEVAL_MEMBERS, apply_correction,
-                          linear_correction)
+from .calibration import apply_correction, linear_correction
+from .sources import SOURCE_SUCCESSOR, NUM_MEMBERS, RETRIEVAL_SOURCES
 
 __all__ = ["RequestCorrection", "CORRECTED_MEMBERS"]
 
 #: The member sources a request's window corrects.
-CORRECTED_MEMBERS = (MEMBER_SUCCESSOR, *RETRIEVAL_MEMBERS)
+CORRECTED_MEMBERS = (SOURCE_SUCCESSOR, *RETRIEVAL_SOURCES)
 
 
 class RequestCorrection:

@@ -34,8 +34,7 @@ from typing import Optional
 import torch
 
 from .candidates import Candidates
-from .calibration import (MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUCCESSOR, NUM_MEMBERS,
-                          Calibrator)
+from .calibration import Calibrator
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
@@ -46,7 +45,8 @@ from .retrieval.buffer import HostCandidates
 from .retrieval.lookup import LOOKUP_MAX_MATCH, lookup_propose
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
-from .tree import SOURCE_DRAFT, DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
+from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
+from .tree import DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
 
 __all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
@@ -340,7 +340,7 @@ class GraftStep:
             keep = prune(tree, self.stages, n).keep
             refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
             key_n = torch.where(keep, math.inf, refill)
-        return Candidates(tokens, parents, est_n, valid_n, bins_n, torch.full_like(tokens, MEMBER_DRAFT), key_n)
+        return Candidates(tokens, parents, est_n, valid_n, bins_n, torch.full_like(tokens, SOURCE_DRAFT), key_n)
 
     @staticmethod
     def _price(est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:
@@ -357,10 +357,10 @@ class GraftStep:
         t = succ.size
         b = roots.shape[0]
         bins = self.calibrator.successor_bins(t, sampled)
-        est = torch.where(valid, self._price(est_table, bins, MEMBER_SUCCESSOR, factors), 0.0)
+        est = torch.where(valid, self._price(est_table, bins, SOURCE_SUCCESSOR, factors), 0.0)
         parents = succ.t_parent.expand(b, t)
         return Candidates(tokens, parents, est, valid, torch.where(valid, bins, -1),
-                          torch.full_like(tokens, MEMBER_SUCCESSOR))
+                          torch.full_like(tokens, SOURCE_SUCCESSOR))
 
     def _chain_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
                     est_table: torch.Tensor, factors=None) -> Optional[Candidates]:
@@ -371,13 +371,13 @@ class GraftStep:
         chains = []                                                  # (tokens, valid, match [B, C(, D)], member)
         if self.config.retrieval.lookup:
             tok, valid, match = lookup_propose(hist, count, LOOKUP_MAX_MATCH, self.pool - 1)
-            chains.append((tok[:, None], valid[:, None], match[:, None], MEMBER_LOOKUP))
+            chains.append((tok[:, None], valid[:, None], match[:, None], SOURCE_LOOKUP))
         if self.outputs is not None:
             tok, valid, match = self.outputs.propose(hist, count, groups)
             rows = _mode_rows(self.config.retrieval.outputs_modes, sampled)
             if rows is not None:
                 valid = valid & rows[:, None, None]
-            chains.append((tok, valid, match, MEMBER_OUTPUTS))
+            chains.append((tok, valid, match, SOURCE_OUTPUTS))
         if not chains:
             return None
         tokens = torch.cat([ch[0] for ch in chains], 1)
@@ -433,8 +433,8 @@ class GraftStep:
         est = [torch.zeros(b, 0, device=dev)] + [p.est for p in parts]
         valid = [torch.zeros(b, 0, dtype=torch.bool, device=dev)] + [p.valid for p in parts]
         member = [torch.zeros(b, 0, dtype=torch.int64, device=dev)] + [p.member for p in parts]
-        group = (torch.cat(member, 1) - MEMBER_SUCCESSOR).clamp(min=0)
-        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), group, MEMBER_OUTPUTS - MEMBER_SUCCESSOR + 1,
+        group = (torch.cat(member, 1) - SOURCE_SUCCESSOR).clamp(min=0)
+        floor = kth_best(torch.cat(est, 1), torch.cat(valid, 1), group, SOURCE_OUTPUTS - SOURCE_SUCCESSOR + 1,
                          self.n - 1)
         if not self.config.draft_nodes:
             floor = torch.full_like(floor, math.inf)
@@ -472,7 +472,7 @@ class GraftStep:
         cands.valid = cands.valid & host.speculate[:, None]                        # per-request opt-out
         tree, member_bins, gain = merge_select(
             cands, self.n, self.config.graft, gain_nodes=self.pool, sampled=sampled,
-            agreement=((self.calibrator.layout.offset(MEMBER_AGREE), est_table,
+            agreement=((self.calibrator.layout.offset(SOURCE_AGREE), est_table,
                         _mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain,

@@ -32,8 +32,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from .sources import SOURCE_DRAFT
+
 __all__ = [
-    "SOURCE_DRAFT", "SOURCE_RETRIEVED", "SOURCE_PADDING", "NUM_SOURCES", "SOURCE_NAMES",
     "DraftTree", "node_depths", "ancestor_mask", "sibling_links", "parents_from_mask",
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
     "path_min", "pointer_jumps", "sentinel_parents", "pointer_rounds", "order_key", "top_mask", "eagle_rerank", "eagle_step",
@@ -41,11 +42,6 @@ __all__ = [
     "tree_from_selection",
 ]
 
-SOURCE_DRAFT = 0       #: node proposed by the draft model (the root is also tagged draft)
-SOURCE_RETRIEVED = 1   #: node proposed by a retrieval source (successor / suffix / corpus)
-SOURCE_PADDING = 2     #: filler node (child of the root) used when the budget cannot be filled
-NUM_SOURCES = 3
-SOURCE_NAMES = ("draft", "retrieved", "padding")
 
 
 def pointer_rounds(n: int) -> int:
@@ -316,7 +312,8 @@ class DraftTree:
         logp: ``float32[B, N]`` natural-log score: for draft nodes the cumulative draft
             log-probability of the path (EAGLE score), for retrieved nodes the log of the
             estimated path acceptance probability, 0 for the root, -inf for padding.
-        source: ``int64[B, N]`` one of SOURCE_DRAFT / SOURCE_RETRIEVED / SOURCE_PADDING.
+        source: ``int64[B, N]`` the node's source (graft_spec/sources.py): the winning member, or
+            ``SOURCE_PADDING``.
     """
 
     tokens: torch.Tensor

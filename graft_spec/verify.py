@@ -26,7 +26,8 @@ from typing import Optional, Union
 
 import torch
 
-from .tree import NUM_SOURCES, ancestor_mask, node_depths
+from .sources import NUM_SOURCES
+from .tree import ancestor_mask, node_depths
 
 __all__ = ["VerifyResult", "greedy_verify", "sample_verify", "logits_to_probs"]
 

@@ -18,8 +18,9 @@ rounds = ``meta_info.spec_verify_ct``; plain rounds = the Graft server's
 greedy pass (a plain round emits exactly one token per request); speculated rounds = rounds - plain
 rounds, and their tau = the tokens they emitted (bonus included) / their number. The report also
 carries tau over every round (completion tokens / ``spec_verify_ct``), which plain rounds pull toward
-1, and the grafted share of accepted tree tokens (``meta_info.graft_src``: ``d`` draft, ``r`` grafted,
-``p`` padding).
+1, and the grafted share of accepted tree tokens (``meta_info.graft_src``: one letter per accepted
+node's source, `graft_spec.sources.SOURCE_LETTERS`; grafted = a retrieval source's node with no
+draft member, `GRAFTED_SOURCES`).
 Exits non-zero when a server fails, greedy outputs differ, or no verify round was reported.
 """
 
@@ -36,6 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from graft_spec.pipeline import GRAFTED_SOURCES, SOURCE_LETTERS  # noqa: E402
 from sglang_patch.bench.prompts import load_prompts  # noqa: E402  (no engine import)
 
 
@@ -117,13 +119,14 @@ def main() -> int:
     tokens = sum(o["meta_info"]["completion_tokens"] for o in graft)
     rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in graft)
     src = Counter(ch for o in graft for ch in o["meta_info"].get("graft_src", []))
-    accepted = src["d"] + src["r"] + src["p"]
+    accepted = sum(src[c] for c in SOURCE_LETTERS)
+    grafted = sum(src[SOURCE_LETTERS[s]] for s in GRAFTED_SOURCES)
     ref_tokens = sum(o["meta_info"]["completion_tokens"] for o in ref)
     report = {
         "greedy_equal_to_no_spec": not differ,
         "tau_all_rounds": round(tokens / rounds, 3) if rounds else None,
         **(spec or {}),
-        "grafted_share": round(src["r"] / accepted, 3) if accepted else 0.0,
+        "grafted_share": round(grafted / accepted, 3) if accepted else 0.0,
         "graft_tokens_per_s": round(tokens / graft_s, 1),
         "no_spec_tokens_per_s": round(ref_tokens / ref_s, 1),
         "tokens_per_s_ratio": round((tokens / graft_s) / (ref_tokens / ref_s), 3),

@@ -11,9 +11,10 @@ with the tokens the *host* knows, and records what graft contributed:
 * `GraftRequestTracker.record` (from the round's host output, after SGLang has committed the
   tokens and before it streams them, ``auxiliary_output.py``): per request the source of each newly
   visible token is appended to ``req.customized_info["graft_src"]``, which SGLang streams into the
-  response ``meta_info`` (``output_streamer.py:688``): ``"d"`` accepted draft node, ``"r"`` accepted
-  retrieved (grafted) node, ``"p"`` accepted padding node, ``"t"`` token chosen by the target (each
-  round's bonus token, and the prefill token). Per-request counters feed the log line written when
+  response ``meta_info`` (``output_streamer.py:688``): one letter per accepted node's source
+  (`graft_spec.sources.SOURCE_LETTERS`: ``d`` draft, ``s`` successor, ``x`` suffix, ``c`` corpus,
+  ``l`` lookup, ``o`` outputs, ``a`` agreement of draft and retrieval, ``p`` padding), and ``t`` for
+  the token chosen by the target (each round's bonus token, and the prefill token). Per-request counters feed the log line written when
   the request finishes (server-wide figures: ``sglang_patch.metrics.GraftStats``).
 * freed when SGLang reports the request finished or aborted (``note_request_finished``,
   ``batch_result_processor.py:1442``), or when a round's result shows it finished without that
@@ -33,13 +34,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, List, Optional, Sequence
 
-from graft_spec.pipeline import NUM_SOURCES, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED
+from graft_spec.pipeline import NUM_SOURCES, SOURCE_LETTERS, SOURCE_NAMES
 
 logger = logging.getLogger(__name__)
 
 #: ``customized_info`` key carrying one source letter per output token.
 META_KEY = "graft_src"
-SOURCE_LETTER = {SOURCE_DRAFT: "d", SOURCE_RETRIEVED: "r", SOURCE_PADDING: "p"}
 TARGET_LETTER = "t"
 
 
@@ -75,9 +75,8 @@ class RequestStats:
 
     def summary(self) -> str:
         mean = self.emitted / self.rounds if self.rounds else 0.0
-        d, r, p = self.accepted
-        return (f"rounds={self.rounds} emitted={self.emitted} accept_len={mean:.3f} "
-                f"accepted_draft={d} accepted_retrieved={r} accepted_padding={p}")
+        accepted = " ".join(f"accepted_{name}={n}" for name, n in zip(SOURCE_NAMES, self.accepted) if n)
+        return f"rounds={self.rounds} emitted={self.emitted} accept_len={mean:.3f} {accepted}".rstrip()
 
 
 class GraftRequestTracker:
@@ -147,7 +146,7 @@ class GraftRequestTracker:
             reqs: the batch's ``Req`` objects.
             commits: per request SGLang's ``CommittedTokens`` (``output_index``, ``token_ids``: the
                 newly visible tokens) or None.
-            sources: per request the ``SOURCE_*`` of each accepted non-root node in path order, -1
+            sources: per request the source (graft_spec/sources.py) of each accepted non-root node in path order, -1
                 after the path (the bonus token follows them).
         """
         for req, commit, srcs in zip(reqs, commits, sources):
@@ -160,7 +159,7 @@ class GraftRequestTracker:
                     st.accepted[s] += 1
             if commit is None:
                 continue
-            letters = [SOURCE_LETTER.get(s, "?") for s in accepted] + [TARGET_LETTER]
+            letters = [SOURCE_LETTERS[s] if s < NUM_SOURCES else "?" for s in accepted] + [TARGET_LETTER]
             meta = self._meta(req)
             if meta is not None:
                 start = commit.output_index

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from graft_spec.pipeline import MEMBER_NAMES, SOURCE_NAMES
+from graft_spec.pipeline import NUM_MEMBERS, SOURCE_NAMES
 
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
 
@@ -58,7 +58,7 @@ class GraftStats:
     def __init__(self, prometheus: bool = False):
         self.accepted: Dict[str, int] = {name: 0 for name in (*SOURCE_NAMES, "bonus")}
         self.accept_length_counts: Dict[int, int] = {}
-        self.calibration: Dict[str, List[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in MEMBER_NAMES}
+        self.calibration: Dict[str, List[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in SOURCE_NAMES[:NUM_MEMBERS]}
         self.depth: Dict[int, List[float]] = {}
         self.draft_forwards: Dict[str, int] = {"run": 0, "skipped": 0}
         self.verify_widths: Dict[int, int] = {}
@@ -86,7 +86,7 @@ class GraftStats:
                     self._prom.accepted.labels(source=SOURCE_NAMES[s]).inc()
                 self._prom.accepted.labels(source="bonus").inc()
                 self._prom.accept_length.observe(n)
-        for name, (t, e, h) in zip(MEMBER_NAMES, members):
+        for name, (t, e, h) in zip(SOURCE_NAMES[:NUM_MEMBERS], members):
             if t:
                 c = self.calibration[name]
                 c[0] += t

@@ -27,7 +27,7 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
                    batch_budget (``graft_spec.budget.BatchBudget.summary``: widths, rounds_by_width,
                    last choice, correction, round_ms per batch-size bucket and width,
                    deferred_draft_extend {skipped (request-rounds), catch_ups, memory_bytes}, or
-                   {"enabled": false}); accepted_by_source {draft, retrieved, padding};
+                   {"enabled": false}); accepted_by_source {source name: tokens} (graft_spec/sources.py);
                    config caps (suffix_max_nodes, suffix_max_depth, successor_k)
 
 Idle means: queues 0/0, ``kv.used == 0`` and ``kv.protected == 0``, ``req_slots.available ==

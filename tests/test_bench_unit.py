@@ -73,7 +73,7 @@ def _run(hists, tokens, steps, src=""):
 
 
 def test_summarize_tau_histogram_share_and_ratios(tmp_path):
-    spec = summarize(_run([[1, 2, 1], [0, 1]], [7, 2], [4, 1], src="tdrrt"), 24)
+    spec = summarize(_run([[1, 2, 1], [0, 1]], [7, 2], [4, 1], src="tdxst"), 24)
     assert spec["tau"] == pytest.approx(9 / 5)
     assert spec["accept_hist"] == [0, 1, 3, 1]          # index = accept length, bonus included
     assert spec["grafted_accept_share"] == pytest.approx(2 / 3)

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graft_spec.calibration import MEMBER_AGREE, MEMBER_DRAFT, MEMBER_SUFFIX, NUM_MEMBERS
 from graft_spec.config import GraftPolicy, PruneStage
 from graft_spec.candidates import Candidates
 from graft_spec.graft import merge_select, path_hashes
 from graft_spec.prune import DraftStopGate, prune
-from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank,
+from graft_spec.sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUFFIX
+from graft_spec.tree import (DraftTree, eagle_rerank,
                              has_duplicate_siblings, node_depths, validate_parents)
 from test_core_reference import ref_ancestors, ref_depths, ref_paths, random_tree
 from test_core_tree import fake_eagle_lists
@@ -40,14 +40,14 @@ def graft(d: DraftTree, keep, cands, n, policy=None):
     key_d = torch.where(keep, math.inf, refill)
     valid_d = (d.source == SOURCE_DRAFT) & torch.isfinite(d.logp)
     toks, pars, key, est, valid = [d.tokens], [d.parents], [key_d], [est_d], [valid_d]
-    member = [torch.full_like(d.tokens, MEMBER_DRAFT)]
+    member = [torch.full_like(d.tokens, SOURCE_DRAFT)]
     if cands is not None and cands.tokens.shape[1] > 0:
         toks.append(cands.tokens)
         pars.append(torch.where(cands.parents < 0, 0, cands.parents + nd))
         key.append(cands.score)
         est.append(cands.score)
         valid.append(cands.valid)
-        member.append(torch.full_like(cands.tokens, MEMBER_SUFFIX))
+        member.append(torch.full_like(cands.tokens, SOURCE_SUFFIX))
     cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
     bins = torch.full_like(cat(toks), -1)
     cands = Candidates(cat(toks), cat(pars), cat(est), cat(valid), bins, cat(member), cat(key))
@@ -127,14 +127,14 @@ def test_graft_invariants(seed, n, m, refill, root_width, min_score):
             if src[i] == SOURCE_DRAFT:
                 assert path in dpaths
             else:
-                assert src[i] == SOURCE_RETRIEVED and path in cpaths
+                assert src[i] == SOURCE_SUFFIX and path in cpaths
         assert kept_paths <= set(out_paths), "every kept draft node survives"
         assert len(out_paths) + n_pad == n
         # if everything available fits, nothing is dropped (modulo policy filters)
         if refill and root_width is None and min_score == 0.0 and len(dpaths | cpaths) <= n:
             assert set(out_paths) == dpaths | cpaths
         if root_width is not None:
-            new_root_kids = [i for i in range(1, n) if pars[i] == 0 and src[i] == SOURCE_RETRIEVED]
+            new_root_kids = [i for i in range(1, n) if pars[i] == 0 and src[i] == SOURCE_SUFFIX]
             assert len(new_root_kids) <= root_width
         if not refill:
             drafted = sum(1 for i in range(1, n) if src[i] == SOURCE_DRAFT)
@@ -150,7 +150,7 @@ def test_retrieved_path_hangs_under_deepest_existing_node():
     out = graft(d, torch.ones(1, 3, dtype=torch.bool), c, 6)
     assert out.tokens.tolist() == [[9, 1, 2, 3, 4, 5]]
     assert out.parents.tolist() == [[-1, 0, 1, 2, 3, 1]]
-    assert out.source.tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert out.source.tolist() == [[SOURCE_DRAFT] * 3 + [SOURCE_SUFFIX] * 3]
     # with one slot fewer, the weakest retrieved node (score 0.1) is the one left out
     out = graft(d, torch.ones(1, 3, dtype=torch.bool), c, 5)
     assert out.tokens.tolist() == [[9, 1, 2, 3, 4]]
@@ -173,7 +173,7 @@ def test_padding_tokens_distinct_from_root_children():
                   torch.zeros(1, 3, dtype=torch.int64))
     out = graft(d, torch.ones(1, 3, dtype=torch.bool), None, 7)
     assert out.tokens.tolist() == [[9, 0, 1, 2, 3, 4, 5]]
-    assert out.source.tolist() == [[0, 0, 0, 2, 2, 2, 2]]
+    assert out.source.tolist() == [[SOURCE_DRAFT] * 3 + [SOURCE_PADDING] * 4]
     assert out.parents.tolist() == [[-1, 0, 0, 0, 0, 0, 0]]
     assert torch.isinf(out.logp[0, 3:]).all()
 
@@ -184,16 +184,16 @@ def test_member_bins_credit_every_proposing_source():
     toks = torch.tensor([[9, 1, 2, 1, 2, 3]])
     pars = torch.tensor([[-1, 0, 1, 0, 3, 4]])          # draft 9-1-2, suffix 9-1-2-3
     est = torch.tensor([[1.0, 0.5, 0.2, 0.6, 0.4, 0.3]])
-    member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 3])
+    member = torch.tensor([[SOURCE_DRAFT] * 3 + [SOURCE_SUFFIX] * 3])
     bins = torch.tensor([[-1, 10, 11, 20, 21, 22]])
     tree, mb, _ = merge_select(Candidates(toks, pars, est, torch.ones(1, 6, dtype=torch.bool), bins, member), 5)
     assert tree.tokens.tolist() == [[9, 1, 2, 3, 0]]
-    assert tree.source[0].tolist() == [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED, SOURCE_RETRIEVED,
+    assert tree.source[0].tolist() == [SOURCE_DRAFT, SOURCE_SUFFIX, SOURCE_SUFFIX, SOURCE_SUFFIX,
                                        SOURCE_PADDING]
     assert torch.allclose(tree.logp[0, 1:4].exp(), torch.tensor([0.6, 0.4, 0.3]))
     assert mb.shape == (1, 5, NUM_MEMBERS)
-    assert mb[0, 1, MEMBER_DRAFT] == 10 and mb[0, 1, MEMBER_SUFFIX] == 20
-    assert mb[0, 2, MEMBER_DRAFT] == 11 and mb[0, 2, MEMBER_SUFFIX] == 21
+    assert mb[0, 1, SOURCE_DRAFT] == 10 and mb[0, 1, SOURCE_SUFFIX] == 20
+    assert mb[0, 2, SOURCE_DRAFT] == 11 and mb[0, 2, SOURCE_SUFFIX] == 21
     assert mb[0, 3].tolist() == [-1, -1, 22] + [-1] * (NUM_MEMBERS - 3)
     assert (mb[0, 0] == -1).all() and (mb[0, 4] == -1).all()
 
@@ -205,7 +205,7 @@ def test_agreement_nodes_get_their_own_bin_and_estimate():
     toks = torch.tensor([[9, 1, 2, 5, 1, 2, 3]])
     pars = torch.tensor([[-1, 0, 1, 0, 0, 4, 5]])        # draft 9-1-2 and 9-5, suffix 9-1-2-3
     est = torch.tensor([[1.0, 0.5, 0.2, 0.45, 0.3, 0.25, 0.9]])
-    member = torch.tensor([[MEMBER_DRAFT] * 4 + [MEMBER_SUFFIX] * 3])
+    member = torch.tensor([[SOURCE_DRAFT] * 4 + [SOURCE_SUFFIX] * 3])
     bins = torch.tensor([[-1, 10, 11, 12, 20, 21, 22]])
     table = torch.zeros(200)
     table[110], table[111], table[112] = 0.95, 0.1, 0.99     # agreement bins of draft bins 10, 11 (12 unused)
@@ -213,12 +213,12 @@ def test_agreement_nodes_get_their_own_bin_and_estimate():
     tree, mb, _ = merge_select(cands, 4, agreement=(100, table))
     assert tree.tokens.tolist() == [[9, 1, 2, 3]]            # 9-5: capped at 1 - 0.95 by its agreed sibling
     assert torch.allclose(tree.logp[0, 1:].exp(), torch.tensor([0.95, 0.25, 0.25]))
-    assert mb[0, 1, MEMBER_DRAFT] == -1 and mb[0, 1, MEMBER_AGREE] == 110 and mb[0, 1, MEMBER_SUFFIX] == 20
-    assert mb[0, 2, MEMBER_DRAFT] == -1 and mb[0, 2, MEMBER_AGREE] == 111
-    assert mb[0, 3, MEMBER_AGREE] == -1 and mb[0, 3, MEMBER_SUFFIX] == 22
+    assert mb[0, 1, SOURCE_DRAFT] == -1 and mb[0, 1, SOURCE_AGREE] == 110 and mb[0, 1, SOURCE_SUFFIX] == 20
+    assert mb[0, 2, SOURCE_DRAFT] == -1 and mb[0, 2, SOURCE_AGREE] == 111
+    assert mb[0, 3, SOURCE_AGREE] == -1 and mb[0, 3, SOURCE_SUFFIX] == 22
     tree, mb, _ = merge_select(cands, 5, agreement=(100, table))
     assert tree.tokens.tolist() == [[9, 1, 2, 5, 3]]
-    assert mb[0, 3, MEMBER_DRAFT] == 12 and mb[0, 3, MEMBER_AGREE] == -1
+    assert mb[0, 3, SOURCE_DRAFT] == 12 and mb[0, 3, SOURCE_AGREE] == -1
 
 
 def test_path_hash_equal_iff_same_path():
@@ -339,7 +339,7 @@ def test_everything_fits_means_union_of_paths(seed):
         for i in real[1:]:
             path = tuple(out.tokens[r, j].item() for j in ref_ancestors(out.parents[r].tolist(), i))
             if path not in dpaths:
-                assert out.source[r, i] == SOURCE_RETRIEVED
+                assert out.source[r, i] == SOURCE_SUFFIX
 
 
 def test_siblings_share_their_parents_mass():
@@ -351,7 +351,7 @@ def test_siblings_share_their_parents_mass():
     toks = torch.tensor([[9, 1, 4, 2, 3]])
     pars = torch.tensor([[-1, 0, 1, 0, 3]])
     est = torch.tensor([[1.0, 0.8, 0.5, 0.7, 0.65]])
-    member = torch.tensor([[MEMBER_DRAFT] * 3 + [MEMBER_SUFFIX] * 2])
+    member = torch.tensor([[SOURCE_DRAFT] * 3 + [SOURCE_SUFFIX] * 2])
     bins = torch.full_like(toks, -1)
     valid = torch.ones(1, 5, dtype=torch.bool)
     greedy, sampled = torch.tensor([False]), torch.tensor([True])
@@ -401,7 +401,7 @@ def test_selection_does_not_depend_on_the_gain_curve_length(seed, u, n):
     toks, pars = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
     est = torch.tensor([[1.0] + [rng.choice([rng.random(), 0.5, 0.0]) for _ in range(u - 1)] for _ in range(b)])
     valid = torch.tensor([[True] + [rng.random() < 0.85 for _ in range(u - 1)] for _ in range(b)])
-    member = torch.full_like(toks, MEMBER_SUFFIX)
+    member = torch.full_like(toks, SOURCE_SUFFIX)
     bins = torch.full_like(toks, -1)
     outs = [merge_select(Candidates(toks, pars, est, valid, bins, member), n, gain_nodes=g) for g in (2, n, n + 7)]
     for tree, mb, _ in outs[1:]:

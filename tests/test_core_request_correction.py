@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft_spec.calibration import (MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_SUCCESSOR, MEMBER_SUFFIX, NUM_MEMBERS,
-                                    apply_correction, linear_correction)
+from graft_spec.calibration import apply_correction, linear_correction
 from graft_spec.config import GraftConfig
 from graft_spec.graphs import _rows as graph_rows
 from graft_spec.pipeline import GraftPlanner
+from graft_spec.sources import NUM_MEMBERS, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_SUCCESSOR, SOURCE_SUFFIX
 from graft_spec.request_correction import RequestCorrection
 from graft_spec.step import StepOutput
 from test_core_step import dense_inputs
@@ -34,7 +34,7 @@ def test_empty_windows_and_uncorrected_members_are_the_identity():
     rc = RequestCorrection(4, window=64.0)
     scale, under = rc.factors(torch.tensor([0, 3]))
     assert scale.shape == (2, NUM_MEMBERS) and (scale == 1).all() and not under.any()
-    _round(rc, 0, MEMBER_DRAFT, 0.9, 4, 0, rounds=10)   # the draft member is never corrected
+    _round(rc, 0, SOURCE_DRAFT, 0.9, 4, 0, rounds=10)   # the draft member is never corrected
     scale, under = rc.factors(torch.tensor([0]))
     assert (scale == 1).all() and not under.any()
 
@@ -44,32 +44,32 @@ def test_a_request_window_moves_its_own_estimates_toward_its_rate(est, hits, ove
     """Ten rounds of ten nodes each: the window holds ten trials (one per round, the round's hit
     rate as its outcome), and the request's estimates move toward its rate by 10 / (10 + a)."""
     rc = RequestCorrection(4, window=64.0)
-    _round(rc, 1, MEMBER_SUFFIX, est, 10, hits, rounds=10)
-    assert rc.recent[1, MEMBER_SUFFIX].tolist() == pytest.approx([10.0, 10 * est, hits], rel=1e-5)
+    _round(rc, 1, SOURCE_SUFFIX, est, 10, hits, rounds=10)
+    assert rc.recent[1, SOURCE_SUFFIX].tolist() == pytest.approx([10.0, 10 * est, hits], rel=1e-5)
     factors = rc.factors(torch.tensor([1, 2]))
     grid = torch.linspace(0, 1, 11)[None, :].expand(2, 11)
-    priced = RequestCorrection.price(grid, torch.full((1, 1), MEMBER_SUFFIX), factors)
-    assert torch.equal(RequestCorrection.price(grid, MEMBER_SUFFIX, factors), priced)   # one member as an int
+    priced = RequestCorrection.price(grid, torch.full((1, 1), SOURCE_SUFFIX), factors)
+    assert torch.equal(RequestCorrection.price(grid, SOURCE_SUFFIX, factors), priced)   # one member as an int
     assert torch.equal(priced[1], grid[1])                                # another slot: untouched
     assert (priced[0] <= grid[0]).all() if over else (priced[0] >= grid[0]).all()
     assert (priced[0].diff() >= 0).all() and (priced[0] >= 0).all() and (priced[0] <= 1).all()  # monotone
     # the window's own nodes are priced near their observed rate (8 pseudo-trials pull toward est)
-    mid = RequestCorrection.price(torch.tensor([[est]]), torch.full((1, 1), MEMBER_SUFFIX),
+    mid = RequestCorrection.price(torch.tensor([[est]]), torch.full((1, 1), SOURCE_SUFFIX),
                                   (factors[0][:1], factors[1][:1])).item()
     a = rc.pseudo_trials
     assert mid == pytest.approx((hits + a * est) / (10 + a), abs=1e-5)
-    assert torch.equal(RequestCorrection.price(grid[:1], torch.full((1, 1), MEMBER_LOOKUP),
+    assert torch.equal(RequestCorrection.price(grid[:1], torch.full((1, 1), SOURCE_LOOKUP),
                                                (factors[0][:1], factors[1][:1])), grid[:1])   # other member
 
 
 def test_windows_halve_beyond_their_length_and_reset_with_a_new_request():
     rc = RequestCorrection(2, window=16.0)
-    _round(rc, 0, MEMBER_SUCCESSOR, 0.5, 4, 2, rounds=17)
-    assert rc.recent[0, MEMBER_SUCCESSOR].tolist() == pytest.approx([8.5, 4.25, 4.25])
+    _round(rc, 0, SOURCE_SUCCESSOR, 0.5, 4, 2, rounds=17)
+    assert rc.recent[0, SOURCE_SUCCESSOR].tolist() == pytest.approx([8.5, 4.25, 4.25])
     rc.reset(torch.tensor([0]))
     assert (rc.recent == 0).all()
     off = RequestCorrection(2, window=0.0)
-    _round(off, 0, MEMBER_SUFFIX, 0.9, 4, 0, rounds=5)
+    _round(off, 0, SOURCE_SUFFIX, 0.9, 4, 0, rounds=5)
     assert not off.enabled and (off.recent == 0).all() and (off.factors(torch.tensor([0]))[0] == 1).all()
     with pytest.raises(ValueError, match="window"):
         RequestCorrection(2, window=-1.0)
@@ -114,7 +114,7 @@ def test_planner_prices_a_failing_requests_lookup_lower(window):
     planner.reset_slots(slots, torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     for _ in range(6):
         out = _lookup_round(planner, slots)
-        lookup = out.member_bins[:, :, MEMBER_LOOKUP] >= 0
+        lookup = out.member_bins[:, :, SOURCE_LOOKUP] >= 0
         assert lookup.any()
         on_path = torch.zeros_like(lookup)
         on_path[:, 0] = True
@@ -131,7 +131,7 @@ def test_planner_prices_a_failing_requests_lookup_lower(window):
         stats = planner.observe(out, on_path, None, torch.zeros(2, 6, dtype=torch.int64),
                                 torch.ones(2, dtype=torch.int64), slots)
         # the metric's estimate sum is what the round's tree was priced with
-        assert stats.members[MEMBER_LOOKUP, 1].item() == pytest.approx(
+        assert stats.members[SOURCE_LOOKUP, 1].item() == pytest.approx(
             (out.tree.logp.exp() * lookup).sum().item(), rel=1e-4)
         assert torch.equal(planner.calibrator.member_stats - before, stats.members)
     first = _lookup_round(planner, slots).tree.logp[:, 1].exp()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graft_spec.calibration import MEMBER_CORPUS, MEMBER_SUFFIX
+from graft_spec.sources import SOURCE_CORPUS, SOURCE_SUFFIX
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.retrieval import (CorpusIndex, CountTrie, HostCandidateBuffer, OutputRing, Retriever, SuccessorTable,
@@ -305,9 +305,9 @@ def test_retriever_from_config_sources_and_buffer_rows(tmp_path):
     r.fill(buf, 1, "q", anchor_len=6)
     hc = buf.upload(2)
     # the suffix index (first half) continues "7 2" with 3 9 7 2; the corpus continues "2" with 3 4
-    assert hc.tokens[1, :4].tolist() == [3, 9, 7, 2] and hc.member[1, :4].tolist() == [MEMBER_SUFFIX] * 4
+    assert hc.tokens[1, :4].tolist() == [3, 9, 7, 2] and hc.member[1, :4].tolist() == [SOURCE_SUFFIX] * 4
     assert hc.tokens[1, 4:7].tolist() == [3, 4] + hc.tokens[1, 6:7].tolist()
-    assert hc.member[1, 4:6].tolist() == [MEMBER_CORPUS] * 2 and hc.parents[1, 4:6].tolist() == [-1, 4]
+    assert hc.member[1, 4:6].tolist() == [SOURCE_CORPUS] * 2 and hc.parents[1, 4:6].tolist() == [-1, 4]
     assert (hc.member[1, 6:] == -1).all() and hc.anchor_len[1] == 6
     assert hc.match[1, 0] == 2 and hc.logp[1, :4].tolist() == [0.0] * 4
     with pytest.raises(FileNotFoundError):
@@ -322,10 +322,10 @@ def test_buffer_upload_is_not_overwritten_by_the_next_fill():
 
     buf = HostCandidateBuffer(2, 4)
     buf.clear(0, anchor_len=5)
-    buf.put(0, 0, MEMBER_SUFFIX, Proposal([11, 12], [-1, 0], [0.5, 0.25], 2))
+    buf.put(0, 0, SOURCE_SUFFIX, Proposal([11, 12], [-1, 0], [0.5, 0.25], 2))
     first = buf.upload(1)
     buf.clear(0, anchor_len=9)
-    buf.put(0, 0, MEMBER_SUFFIX, Proposal([21], [-1], [1.0], 3))
+    buf.put(0, 0, SOURCE_SUFFIX, Proposal([21], [-1], [1.0], 3))
     second = buf.upload(1)
     assert first.tokens[0, :2].tolist() == [11, 12] and first.anchor_len.tolist() == [5]
     assert second.tokens[0, :1].tolist() == [21] and second.anchor_len.tolist() == [9]

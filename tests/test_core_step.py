@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graft_spec.calibration import (CHAIN_DECAY, MEMBER_AGREE, MEMBER_DRAFT, MEMBER_LOOKUP, MEMBER_OUTPUTS, MEMBER_SUFFIX,
-                                   NUM_MEMBERS)
+from graft_spec.calibration import CHAIN_DECAY
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
 from graft_spec.step import dense_draft_candidates, reanchor
-from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, eagle_step,
-                             has_duplicate_siblings, validate_parents)
+from graft_spec.sources import (NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_OUTPUTS,
+                                SOURCE_PADDING, SOURCE_SUFFIX, grafted)
+from graft_spec.tree import eagle_step, has_duplicate_siblings, validate_parents
 from graft_spec.verify import greedy_verify
 from sglang_patch.bench.step import OpCounter
 
@@ -74,7 +74,7 @@ def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True):
         return torch.randint(0, vocab, shape, generator=gen).to(dev)
 
     host = HostCandidates(randint((b, m)), torch.full((b, m), -1, device=dev),
-                          torch.zeros(b, m, device=dev), torch.full((b, m), MEMBER_SUFFIX, device=dev),
+                          torch.zeros(b, m, device=dev), torch.full((b, m), SOURCE_SUFFIX, device=dev),
                           torch.ones(b, m, dtype=torch.int64, device=dev), torch.full((b,), 5, device=dev),
                           torch.zeros(b, dtype=torch.int64, device=dev))
     return (draft, randint((b,)), host, torch.arange(b, device=dev),
@@ -123,7 +123,7 @@ def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     with HostReadGuard() as guard:
         eager = step(*args)
     assert guard.bad == [], f"the step dispatched host ops: {sorted(set(guard.bad))}"
-    assert (eager[4][..., MEMBER_OUTPUTS] >= 0).any()           # the output index proposed on the device
+    assert (eager[4][..., SOURCE_OUTPUTS] >= 0).any()           # the output index proposed on the device
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")(*args)
     for x, y in zip(eager, compiled):
         assert torch.equal(x, y)
@@ -149,8 +149,8 @@ def test_output_index_candidates_go_to_the_rows_of_its_mode(outputs):
     planner, args = _outputs_planner(outputs)
     sampled = args[5]
     out = planner.build(*args)
-    has_outputs = (out.member_bins[..., MEMBER_OUTPUTS] >= 0).any(dim=1)
-    has_agree = (out.member_bins[..., MEMBER_AGREE] >= 0).any(dim=1)
+    has_outputs = (out.member_bins[..., SOURCE_OUTPUTS] >= 0).any(dim=1)
+    has_agree = (out.member_bins[..., SOURCE_AGREE] >= 0).any(dim=1)
     assert has_outputs[~sampled].all()
     assert has_outputs[sampled].all() if outputs == "on" else not has_outputs[sampled].any()
     if outputs == "greedy":
@@ -177,7 +177,7 @@ def test_reanchor_moves_matching_paths_under_the_new_root():
     tok = torch.tensor([[8, 9, 10, 11, 5, 3, 4]])
     par = torch.tensor([[-1, 0, 1, 2, 0, -1, 5]])
     logp = torch.log(torch.tensor([[0.9, 0.8, 0.6, 0.5, 0.1, 0.05, 0.04]]))
-    member = torch.full((1, 7), MEMBER_SUFFIX)
+    member = torch.full((1, 7), SOURCE_SUFFIX)
     match = torch.full((1, 7), 3)
     host = HostCandidates(tok, par, logp, member, match, torch.tensor([10]), torch.zeros(1, dtype=torch.int64))
     # the device committed 8, 9 since (root = 9): seq_len + 1 = 12 = 10 + gap 2
@@ -212,7 +212,7 @@ def test_planner_grafts_a_lagging_host_proposal_shifted():
                         torch.tensor([False]))
     real = out.tree.source[0] != SOURCE_PADDING
     assert out.tree.tokens[0][real].tolist()[:4] == [4, 5, 6, 1]
-    assert (out.tree.source[0, 1:4] == SOURCE_RETRIEVED).all()
+    assert grafted(out.tree.source[0, 1:4]).all()
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -256,7 +256,7 @@ def test_chained_retrieval_estimates_follow_the_sequential_recurrence():
     mids = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)   # calibration._DEPTH_MID
     depths = torch.tensor([[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60]])          # one per depth bin
     est = cal.estimates()
-    for member in (MEMBER_SUFFIX, MEMBER_LOOKUP, MEMBER_OUTPUTS):
+    for member in (SOURCE_SUFFIX, SOURCE_LOOKUP, SOURCE_OUTPUTS):
         for sampled in (False, True):
             bins = cal.retrieval_bins(torch.full_like(depths, member), depths, torch.full(depths.shape, -0.7),
                                       torch.full_like(depths, 5), torch.tensor([sampled]))[0].tolist()
@@ -280,11 +280,11 @@ def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
         cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration={"source_window": window})
         cal = GraftPlanner(cfg, 50).calibrator
         bins = torch.full((8, 2, NUM_MEMBERS), -1)
-        node = int(cal.retrieval_bins(torch.tensor([[MEMBER_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
+        node = int(cal.retrieval_bins(torch.tensor([[SOURCE_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
                                       torch.tensor([[8]]), torch.zeros(1, dtype=torch.bool)))
-        other = int(cal.retrieval_bins(torch.tensor([[MEMBER_SUFFIX]]), torch.tensor([[3]]), torch.zeros(1, 1),
+        other = int(cal.retrieval_bins(torch.tensor([[SOURCE_SUFFIX]]), torch.tensor([[3]]), torch.zeros(1, 1),
                                        torch.tensor([[8]]), torch.zeros(1, dtype=torch.bool)))
-        bins[:, 1, MEMBER_OUTPUTS] = node
+        bins[:, 1, SOURCE_OUTPUTS] = node
         gen = torch.Generator().manual_seed(0)
         for p, rounds in ((0.5, 400), (rate, 64)):
             for _ in range(rounds):
@@ -307,10 +307,10 @@ def test_source_correction_per_mode_on_sampled_rows_too():
     jumps from 0.5 to 0.95 on sampled rows only; the sampled estimate follows it while its bin lags,
     the greedy estimate of the same bin stays at the greedy rate."""
     cal = GraftPlanner(GraftConfig(num_draft_tokens=6, topk=2, depth=2), 50).calibrator
-    node = {mode: int(cal.retrieval_bins(torch.tensor([[MEMBER_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
+    node = {mode: int(cal.retrieval_bins(torch.tensor([[SOURCE_OUTPUTS]]), torch.tensor([[3]]), torch.zeros(1, 1),
                                          torch.tensor([[8]]), torch.tensor([mode]))) for mode in (False, True)}
     bins = torch.full((8, 2, NUM_MEMBERS), -1)
-    bins[:4, 1, MEMBER_OUTPUTS], bins[4:, 1, MEMBER_OUTPUTS] = node[False], node[True]
+    bins[:4, 1, SOURCE_OUTPUTS], bins[4:, 1, SOURCE_OUTPUTS] = node[False], node[True]
     gen = torch.Generator().manual_seed(0)
     for p, rounds in ((0.5, 400), (0.95, 128)):
         for _ in range(rounds):
@@ -336,9 +336,9 @@ def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
     planner = GraftPlanner(cfg, 50, max_slots=2)
     cal = planner.calibrator
     lay = cal.layout
-    assert lay.offset(MEMBER_AGREE) + lay.draft_bins <= lay.per_mode
+    assert lay.offset(SOURCE_AGREE) + lay.draft_bins <= lay.per_mode
     draft_prior = cal.prior[:lay.draft_bins]
-    agree_prior = cal.prior[lay.offset(MEMBER_AGREE): lay.offset(MEMBER_AGREE) + lay.draft_bins]
+    agree_prior = cal.prior[lay.offset(SOURCE_AGREE): lay.offset(SOURCE_AGREE) + lay.draft_bins]
     assert torch.allclose(agree_prior, draft_prior.sqrt())
     draft, roots, host, slots, seq_lens, sampled = dense_inputs(2, 2, 2, 50, 1, "cpu",
                                                                 torch.Generator().manual_seed(3))
@@ -347,19 +347,19 @@ def test_agreement_nodes_credit_the_agreement_bins_not_the_draft_bins():
     host.anchor_len.fill_(5)                              # seq_len 4 + the root: no re-anchoring gap
     off = GraftPlanner(cfg.model_copy(update={"calibration": cfg.calibration.model_copy(update={"agreement": False})}),
                        50, max_slots=2).build(draft, roots, host, slots, seq_lens, sampled)
-    assert not (off.member_bins[:, :, MEMBER_AGREE] >= 0).any()     # off: merged nodes credit the draft bin
+    assert not (off.member_bins[:, :, SOURCE_AGREE] >= 0).any()     # off: merged nodes credit the draft bin
     out = planner.build(draft, roots, host, slots, seq_lens, sampled)
     mb = out.member_bins
-    agree = mb[:, :, MEMBER_AGREE] >= 0
+    agree = mb[:, :, SOURCE_AGREE] >= 0
     assert agree.sum(dim=1).tolist() == [1, 1]            # one agreement node per row
-    assert (mb[:, :, MEMBER_DRAFT][agree] == -1).all() and (mb[:, :, MEMBER_SUFFIX][agree] >= 0).all()
-    assert ((mb[:, :, MEMBER_DRAFT] >= 0) & ~agree).sum() >= 2   # the other draft nodes keep theirs
+    assert (mb[:, :, SOURCE_DRAFT][agree] == -1).all() and (mb[:, :, SOURCE_SUFFIX][agree] >= 0).all()
+    assert ((mb[:, :, SOURCE_DRAFT] >= 0) & ~agree).sum() >= 2   # the other draft nodes keep theirs
     on_path = torch.zeros_like(agree)
     on_path[:, 0] = True
     on_path |= agree
     members, _ = cal.update(mb, on_path, torch.ones_like(mb[:, :, 0]), out.estimates)
-    assert members[MEMBER_AGREE].tolist()[0] == 2 and members[MEMBER_AGREE].tolist()[2] == 2
-    assert members[MEMBER_DRAFT].tolist()[2] == 0
+    assert members[SOURCE_AGREE].tolist()[0] == 2 and members[SOURCE_AGREE].tolist()[2] == 2
+    assert members[SOURCE_DRAFT].tolist()[2] == 0
 
 
 def test_agreement_priors_follow_what_agreement_has_shown():
@@ -369,10 +369,10 @@ def test_agreement_priors_follow_what_agreement_has_shown():
     cfg = GraftConfig(num_draft_tokens=6, topk=2, depth=2, calibration={"source_window": 0})
     cal = GraftPlanner(cfg, 50).calibrator
     lay = cal.layout
-    tried, untried = lay.offset(MEMBER_AGREE) + 5, lay.offset(MEMBER_AGREE) + 8
+    tried, untried = lay.offset(SOURCE_AGREE) + 5, lay.offset(SOURCE_AGREE) + 8
     before = cal.estimates()
     bins = torch.full((4, 2, NUM_MEMBERS), -1)
-    bins[:, 1, MEMBER_AGREE] = tried
+    bins[:, 1, SOURCE_AGREE] = tried
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         on_path = torch.stack([torch.ones(4, dtype=torch.bool), torch.rand(4, generator=gen) < 0.9], dim=1)
@@ -430,7 +430,7 @@ def test_gate_stop_keeps_the_selection(seed, width):
     # teach the calibrator that long suffix matches are always right
     planner.calibrator.hits[:-1] = 0.0
     planner.calibrator.trials[:-1] = 0.0
-    suffix_bins = planner.calibrator.retrieval_bins(torch.full((1, 16), MEMBER_SUFFIX),
+    suffix_bins = planner.calibrator.retrieval_bins(torch.full((1, 16), SOURCE_SUFFIX),
                                                     torch.arange(1, 17)[None], torch.zeros(1, 16),
                                                     torch.full((1, 16), 40), torch.tensor([False]))
     planner.calibrator.hits[suffix_bins.flatten()] = 1000.0
@@ -478,7 +478,7 @@ def test_build_reuses_the_gate_retrieval(seed):
     for width in (n, 6):
         gate = planner.stop_gate(roots, host, slots, seq, sampled, num_nodes=width)
         assert len(gate.retrieved.parts) == 3 and gate.retrieved.factors is not None   # successor, device chains, host
-        assert set(gate.retrieved.parts[1].member.unique().tolist()) == {MEMBER_LOOKUP, MEMBER_OUTPUTS}
+        assert set(gate.retrieved.parts[1].member.unique().tolist()) == {SOURCE_LOOKUP, SOURCE_OUTPUTS}
         own = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width)
         with OpCounter() as reused_ops:
             reused = planner.build(draft, roots, host, slots, seq, sampled, num_nodes=width,
@@ -489,7 +489,7 @@ def test_build_reuses_the_gate_retrieval(seed):
                      (own.tree.source, reused.tree.source), (own.tree.logp, reused.tree.logp),
                      (own.member_bins, reused.member_bins), (own.gain, reused.gain)):
             assert torch.equal(a, r)
-        assert (own.tree.source[:, 1:] == SOURCE_RETRIEVED).any()   # retrieved nodes were grafted
+        assert grafted(own.tree.source[:, 1:]).any()   # retrieved nodes were grafted
         assert reused_ops.ops < own_ops.ops
 
 

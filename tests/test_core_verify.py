@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from graft_spec.config import GraftPolicy, PruneStage
 from graft_spec.metrics import AcceptanceStats
 from graft_spec.prune import prune
-from graft_spec.tree import (SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree, eagle_rerank, eagle_step,
-                             has_duplicate_siblings, sibling_links)
+from graft_spec.sources import GRAFTED_SOURCES, NUM_SOURCES, SOURCE_DRAFT, SOURCE_SUFFIX
+from graft_spec.tree import DraftTree, eagle_rerank, eagle_step, has_duplicate_siblings, sibling_links
 from graft_spec.verify import VerifyResult, greedy_verify, logits_to_probs, sample_verify
 from test_core_graft import Cands, graft  # the paper-mode stacking over merge_select
 from test_core_reference import random_tree, ref_greedy
@@ -157,7 +157,7 @@ def wrong_no_renorm(tokens, parents, probs, *, generator=None, source=None):
             break
     ar = torch.arange(n)
     srt = torch.where(on_path, ar, n).sort(1).values
-    return VerifyResult(torch.where(srt == n, -1, srt), on_path.sum(1), bonus, torch.zeros(b, 3, dtype=torch.int64))
+    return VerifyResult(torch.where(srt == n, -1, srt), on_path.sum(1), bonus, torch.zeros(b, NUM_SOURCES, dtype=torch.int64))
 
 
 def decode_joint(verify, dedupe=True, seed=0, processed=False):
@@ -178,7 +178,7 @@ def decode_joint(verify, dedupe=True, seed=0, processed=False):
         probs = node_target_probs(tree, prev[todo], target)
         res = verify(tree.tokens, tree.parents, probs, generator=gen, source=tree.source)
         stats.update(res)
-        retrieved_hits += int(res.accepted_by_source[:, SOURCE_RETRIEVED].sum())
+        retrieved_hits += int(res.accepted_by_source[:, list(GRAFTED_SOURCES)].sum())
         em = res.emitted(tree.tokens)
         keep = []
         for j, r in enumerate(todo.tolist()):
@@ -289,8 +289,10 @@ def test_logits_to_probs():
 
 
 def test_metrics_accumulate():
+    by_source = torch.zeros(2, NUM_SOURCES, dtype=torch.int64)
+    by_source[0, SOURCE_SUFFIX] = 1
     res = VerifyResult(torch.tensor([[0, 2, -1], [0, -1, -1]]), torch.tensor([2, 1]), torch.tensor([4, 5]),
-                       torch.tensor([[0, 1, 0], [0, 0, 0]]))
+                       by_source)
     s = AcceptanceStats()
     s.update(res, stage=torch.tensor([0, -1]))
     s.update(res, num_verified=torch.tensor([3, 2]))
@@ -298,4 +300,4 @@ def test_metrics_accumulate():
     assert s.verified_per_step == pytest.approx((6 + 5) / 4)
     d = s.to_dict()
     assert d["accept_length_hist"] == {1: 2, 2: 2}
-    assert d["source_share"]["retrieved"] == 1.0 and d["stage_hist"] == {-1: 1, 0: 1}
+    assert d["source_share"]["suffix"] == 1.0 and d["stage_hist"] == {-1: 1, 0: 1}

@@ -290,7 +290,7 @@ def _commit(index, tokens):
 
 
 def test_tracker_lifecycle_meta_and_no_leak():
-    from graft_spec.tree import SOURCE_DRAFT, SOURCE_RETRIEVED
+    from graft_spec.sources import NUM_SOURCES, SOURCE_DRAFT, SOURCE_SUFFIX
     from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
 
     planner = _planner()
@@ -300,17 +300,17 @@ def test_tracker_lifecycle_meta_and_no_leak():
     assert tr.live() == 2 and planner.live_requests() == 2 and planner.seen("a") == 5
     # round 1: a accepted a draft and a retrieved node, then the bonus; b only the bonus
     tr.record([a, b], [_commit(1, [6, 7, 8]), _commit(1, [1])],
-              [[SOURCE_DRAFT, SOURCE_RETRIEVED, -1], [-1, -1, -1]])
-    assert a.customized_info[META_KEY] == ["t", "d", "r", "t"]   # the prefill token, then the round
+              [[SOURCE_DRAFT, SOURCE_SUFFIX, -1], [-1, -1, -1]])
+    assert a.customized_info[META_KEY] == ["t", "d", "x", "t"]   # the prefill token, then the round
     assert b.customized_info[META_KEY] == ["t", "t"]
-    assert tr.states["a"].accepted == [1, 1, 0]
+    assert tr.states["a"].accepted == [1, 0, 1] + [0] * (NUM_SOURCES - 3)
     # the next round syncs only the new output tokens (host view), no restart
     a.output_ids += [6, 7, 8]
     tr.prepare([a])
     assert planner.seen("a") == 8 and tr.states["a"].rounds == 1
     # a request that finished mid-round: only its visible tokens get letters
     tr.record([a], [_commit(4, [9])], [[SOURCE_DRAFT, SOURCE_DRAFT, -1]])
-    assert a.customized_info[META_KEY] == ["t", "d", "r", "t", "d"]
+    assert a.customized_info[META_KEY] == ["t", "d", "x", "t", "d"]
     tr.finish("a")
     tr.finish("b")
     tr.finish("never-started")
@@ -389,7 +389,8 @@ def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
 def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     """SGLang-shaped verify outputs -> successor table, commit log and calibration on the device;
     the accepted sources travel as an auxiliary output that SGLang copies and consumes."""
-    from graft_spec.tree import SOURCE_DRAFT, SOURCE_PADDING, SOURCE_RETRIEVED, DraftTree
+    from graft_spec.sources import NUM_SOURCES, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_PADDING, SOURCE_SUCCESSOR
+    from graft_spec.tree import DraftTree
     from graft_spec.step import StepOutput
     from sglang_patch.graft_info import GraftVerifyInput
     from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
@@ -409,8 +410,8 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     worker.requests.prepare(reqs)
     tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 0, 22]])
     parents = torch.tensor([[-1, 0, 0, 2], [-1, 0, 0, 1]])
-    source = torch.tensor([[SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_RETRIEVED],
-                           [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_PADDING, SOURCE_DRAFT]])
+    source = torch.tensor([[SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_SUCCESSOR, SOURCE_LOOKUP],
+                           [SOURCE_DRAFT, SOURCE_SUCCESSOR, SOURCE_PADDING, SOURCE_DRAFT]])
     out = StepOutput.from_tree(DraftTree(tokens, parents, torch.zeros(bs, n), source), torch.tensor([2, 1]))
     out.member_bins[:, 1:, 0] = 5                                  # every real node: one draft bin
     out.member_bins[1, 2] = -1                                     # (not the padding)
@@ -434,11 +435,14 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     assert planner.calibrator.trials[5].item() == 5 and planner.calibrator.hits[5].item() == 2
     host = result.logits_output.auxiliary_device_output.copy_to_host(lambda t: t.clone())
     host.consume(batch, [_commit(1, [12, 13, 44]), _commit(1, [55])])
-    assert reqs[0].customized_info[META_KEY] == ["t", "r", "r", "t"]
+    assert reqs[0].customized_info[META_KEY] == ["t", "s", "l", "t"]
     assert reqs[1].customized_info[META_KEY] == ["t", "t"]
-    assert worker.requests.states["x"].accepted == [0, 2, 0]
+    want = [0] * NUM_SOURCES
+    want[SOURCE_SUCCESSOR] = want[SOURCE_LOOKUP] = 1
+    assert worker.requests.states["x"].accepted == want
     summary = worker.stats.summary()
-    assert summary["accepted_tokens"] == {"draft": 0, "retrieved": 2, "padding": 0, "bonus": 2}
+    assert summary["accepted_tokens"] == {"draft": 0, "successor": 1, "suffix": 0, "corpus": 0, "lookup": 1,
+                                          "outputs": 0, "agree": 0, "padding": 0, "bonus": 2}
     assert summary["accept_length_hist"] == {3: 1, 1: 1}
     assert summary["calibration"]["draft"]["trials"] == 5
     assert summary["calibration"]["draft"]["observed"] == pytest.approx(2 / 5)
@@ -474,7 +478,7 @@ def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)))
     text = out.stdout
-    assert 'graft:accepted_tokens_total{source="retrieved"} 1.0' in text, out.stderr[-2000:]
+    assert 'graft:accepted_tokens_total{source="successor"} 1.0' in text, out.stderr[-2000:]
     assert 'graft:accepted_tokens_total{source="bonus"} 2.0' in text
     assert 'graft:accept_length_bucket{le="3.0"} 2.0' in text
     assert 'graft:calibration_hits_total{member="suffix"} 1.0' in text

@@ -247,7 +247,8 @@ def test_finish_refuses_missing_draft_passes():
 
 
 def _tree(tokens, parents):
-    from graft_spec.tree import SOURCE_DRAFT, DraftTree
+    from graft_spec.sources import SOURCE_DRAFT
+    from graft_spec.tree import DraftTree
 
     t = torch.tensor([tokens])
     return DraftTree(t, torch.tensor([parents]), torch.zeros(1, len(tokens)), torch.full_like(t, SOURCE_DRAFT))

@@ -64,7 +64,7 @@ class HostSource(abc.ABC):
 
     Attributes:
         name: short name (stats, logs).
-        member: the calibration member id (one of ``calibration.RETRIEVAL_MEMBERS``).
+        member: the calibration member id (one of ``calibration.RETRIEVAL_SOURCES``).
     """
 
     name: str = "source"

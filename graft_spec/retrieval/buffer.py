@@ -34,7 +34,7 @@ class HostCandidates:
         tokens: ``int64[B, M]``.
         parents: ``int64[B, M]`` index of the parent candidate, -1 = child of the anchor.
         logp: ``float32[B, M]`` log of the source's path probability anchor -> node.
-        member: ``int64[B, M]`` calibration member (one of RETRIEVAL_MEMBERS), -1 = empty.
+        member: ``int64[B, M]`` calibration member (one of RETRIEVAL_SOURCES), -1 = empty.
         match: ``int64[B, M]`` context tokens the proposal was matched on.
         anchor_len: ``int64[B]`` tokens of context (prompt + outputs) the host had seen; the anchor is
             the last of them.

@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Optional, Sequence
 
-from ..calibration import MEMBER_CORPUS
+from ..sources import SOURCE_CORPUS
 from .base import HostSource, Proposal, longest_match_proposal
 from .trie import CountTrie
 
@@ -36,7 +36,7 @@ class CorpusIndex(HostSource):
     """Shared corpus trie; same arguments as `SuffixIndex` (but ``max_nodes``) plus ``max_mb``."""
 
     name = "corpus"
-    member = MEMBER_CORPUS
+    member = SOURCE_CORPUS
 
     def __init__(self, max_depth: int = 16, max_match: int = 8, min_prob: float = 0.1,
                  max_mb: float = 256.0):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Hashable, Optional, Sequence
 
-from ..calibration import MEMBER_SUFFIX
+from ..sources import SOURCE_SUFFIX
 from .base import HostSource, Proposal
 from .trie import CountTrie
 
@@ -39,7 +39,7 @@ class SuffixIndex(HostSource):
     """
 
     name = "suffix"
-    member = MEMBER_SUFFIX
+    member = SOURCE_SUFFIX
 
     def __init__(self, max_depth: int = 64, max_match: int = 16, min_prob: float = 0.1,
                  max_nodes: int = 200_000):

@@ -24,8 +24,9 @@ class RequestResult:
         correct_drafts_histogram: index i = number of verify steps that accepted i draft tokens
             (accept length i + 1, bonus included); empty without speculation.
         latency_s: wall time of the request in seconds.
-        graft_src: Graft's per-token source letters (``meta_info["graft_src"]``: ``d`` draft node,
-            ``r`` grafted/retrieved node, ``p`` padding node, ``t`` target bonus); empty otherwise.
+        graft_src: Graft's per-token source letters (``meta_info["graft_src"]``: one per accepted
+            node's source, `graft_spec.sources.SOURCE_LETTERS`, and ``t`` for the target's token);
+            empty otherwise.
         meta: the full ``meta_info`` dict.
     """
 

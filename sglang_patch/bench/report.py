@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from graft_spec.pipeline import GRAFTED_SOURCES, SOURCE_LETTERS
 from sglang_patch.bench.client import RunResult
 
 
@@ -34,11 +35,13 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
             speculation; for graft's batch budget the run's mean width, set by the caller from
             ``/server_info``).
         output_tokens, wall_s, tokens_per_s (output tokens / wall seconds), mean_latency_s.
-        grafted_accept_share: share of accepted draft-tree tokens that came from grafted
-            (retrieved) nodes, from Graft's ``graft_src`` letters; None for other methods.
+        grafted_accept_share: share of accepted tree tokens that came from grafted nodes (a
+            retrieval source's, no draft member: `GRAFTED_SOURCES`), from Graft's ``graft_src``
+            letters; None for other methods.
     """
     src = "".join(r.graft_src for r in run.results)
-    tree_accepted = sum(src.count(c) for c in "drp")
+    tree_accepted = sum(src.count(c) for c in SOURCE_LETTERS)
+    grafted = sum(src.count(SOURCE_LETTERS[s]) for s in GRAFTED_SOURCES)
     tokens = sum(r.completion_tokens for r in run.results)
     steps = sum(r.verify_ct for r in run.results)
     hist = sum_histograms((r.correct_drafts_histogram for r in run.results), offset=1)
@@ -52,7 +55,7 @@ def summarize(run: RunResult, num_draft_tokens: int) -> Dict[str, Any]:
         "wall_s": run.wall_s,
         "tokens_per_s": tokens / run.wall_s if run.wall_s > 0 else 0.0,
         "mean_latency_s": sum(r.latency_s for r in run.results) / max(len(run.results), 1),
-        "grafted_accept_share": src.count("r") / tree_accepted if tree_accepted else None,
+        "grafted_accept_share": grafted / tree_accepted if tree_accepted else None,
     }
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
+from graft_spec.sources import SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUCCESSOR
 from sglang_patch import server_stats
 from sglang_patch.graft_requests import GraftRequestTracker
 from sglang_patch.metrics import GraftStats
@@ -101,14 +102,15 @@ def test_graft_worker_state_appears_and_is_freed():
     rng = random.Random(0)
     reqs = [_req(f"r{i}", [rng.randrange(VOCAB) for _ in range(100)]) for i in range(3)]
     worker.requests.prepare(reqs)
-    worker.stats.record_round([[0, 1, -1], [-1, -1, -1], [2, -1, -1]], [[0, 0, 0]] * 5, [[0, 0]])
+    worker.stats.record_round([[SOURCE_DRAFT, SOURCE_SUCCESSOR, -1], [-1, -1, -1], [SOURCE_PADDING, -1, -1]],
+                              [[0, 0, 0]] * 5, [[0, 0]])
     w = server_stats.collect(_scheduler(worker))["worker"]
     assert w["live_requests"] == w["planner_live_requests"] == 3
     assert w["planner_memory_bytes"] > fixed
     assert w["memory_bytes_by_source"]["successor"] == succ
     assert sum(w["memory_bytes_by_source"].values()) == w["planner_memory_bytes"]
     assert 100 <= w["suffix_max_nodes_per_request"] <= 512
-    assert w["accepted_by_source"]["draft"] == 1 and w["accepted_by_source"]["retrieved"] == 1
+    assert w["accepted_by_source"]["draft"] == 1 and w["accepted_by_source"]["successor"] == 1
     assert w["accepted_by_source"]["padding"] == 1 and w["accepted_tokens"]["bonus"] == 3
     assert w["accept_length_hist"] == {3: 1, 1: 1, 2: 1}
     assert w["config"]["suffix_max_nodes"] == 512
