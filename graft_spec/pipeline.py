@@ -331,6 +331,11 @@ class GraftPlanner:
         extra = [x for x in (self.successor, self.outputs) if x is not None]
         return list(self.retriever.sources) + extra
 
+    def calibration_summary(self) -> dict:
+        """Per source ``{trials, estimated, observed}`` and per depth ``{trials, observed}`` of every
+        verified round so far (`Calibrator.summary`: one device read; call it off the decode path)."""
+        return self.calibrator.summary()
+
     def memory_bytes(self) -> int:
         """Approximate bytes held by the retrieval sources (host) and the successor table (device)."""
         return (self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)

@@ -1,6 +1,6 @@
-"""GraftStep / RequestTracker: the proposer's per-step logic driven by a fake target on CPU.
+"""ChainStep / RequestTracker: the proposer's per-step logic driven by a fake target on CPU.
 
-The fake target is a bigram model; the fake EAGLE loop calls `GraftStep.record` K times
+The fake target is a bigram model; the fake EAGLE loop calls `ChainStep.record` K times
 along the top-1 spine, exactly as vLLM's loop calls the proposer's `_greedy_sample`
 (llm_base_proposer.py:629/650/761). Verification uses vLLM's greedy chain rule
 (rejection_sampler.py:793-847: accept while draft == target argmax, then emit the target
@@ -16,7 +16,7 @@ import torch
 
 from graft_spec.config import GraftConfig
 from vllm_worker.requests import RequestTracker
-from vllm_worker.step import GraftStep
+from vllm_worker.step import ChainStep
 
 
 class _Batch:
@@ -40,7 +40,7 @@ class _Batch:
             self.num_tokens_no_spec[i] = len(s)
             self.seqs.append(s)
 
-    def finish(self, step: GraftStep, k: int) -> list[list[int]]:
+    def finish(self, step: ChainStep, k: int) -> list[list[int]]:
         b = len(self.req_ids)
         roots = torch.tensor([s[-1] for s in self.seqs])
         return step.finish(roots, self.req_ids, self.token_ids_cpu[:b], self.num_prompt_tokens[:b],
@@ -87,7 +87,7 @@ def _greedy_chain_verify(target: torch.Tensor, root: int, chain: list[int]) -> l
     return out + [int(target[last].argmax())]
 
 
-def _decode(step: GraftStep, target: torch.Tensor, drafter: torch.Tensor, prompts: dict[str, list[int]],
+def _decode(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, prompts: dict[str, list[int]],
             k: int, new_tokens: int, leave_after: dict[str, int] | None = None):
     """Run a fake vLLM decode loop; returns outputs, per-step accepted lengths, live counts."""
     batch = _Batch()
@@ -175,7 +175,7 @@ def test_request_left_out_of_a_step_but_alive_keeps_its_state():
 
 def test_retrieval_state_created_and_freed_per_request_id_in_real_sources():
     vocab, k = 64, 3
-    step = GraftStep(GraftConfig(num_draft_tokens=10, topk=2, depth=k), vocab)
+    step = ChainStep(GraftConfig(num_draft_tokens=10, topk=2, depth=k), vocab)
     target = _bigram(vocab, 1)
     prompts = {"r0": [1, 2, 3], "r1": [4, 5], "r2": [6, 7, 8, 9]}
     _, _, live = _decode(step, target, target, prompts, k, new_tokens=8, leave_after={"r1": 1})
@@ -193,7 +193,7 @@ def test_perfect_drafter_chain_is_fully_accepted_and_output_is_lossless(k):
     target = _bigram(vocab, 3)
     cfg = GraftConfig(num_draft_tokens=1 + 2 * k, topk=2, depth=k)
     prompts = {"a": [5, 6, 7], "b": [11], "c": [40, 41, 42, 43]}
-    outs, accepted, _ = _decode(GraftStep(cfg, vocab), target, target, prompts, k, new_tokens=30)
+    outs, accepted, _ = _decode(ChainStep(cfg, vocab), target, target, prompts, k, new_tokens=30)
     for r, p in prompts.items():
         assert outs[r][:30] == _greedy_reference(target, p, 30)
     assert sum(a == k + 1 for a in accepted) >= 0.8 * len(accepted), accepted
@@ -210,7 +210,7 @@ def test_retrieval_rescues_a_useless_drafter_and_stays_lossless():
     base = dict(num_draft_tokens=24, topk=3, depth=k)  # 12 spine nodes + 11 slots for retrieval
     means = {}
     for name, retrieval in (("on", {}), ("off", {"successor": False, "suffix": False, "lookup": False, "outputs": False})):
-        outs, accepted, _ = _decode(GraftStep(GraftConfig(**base, retrieval=retrieval), vocab),
+        outs, accepted, _ = _decode(ChainStep(GraftConfig(**base, retrieval=retrieval), vocab),
                                     target, drafter, prompts, k, new_tokens=40)
         for r, p in prompts.items():
             assert outs[r][:40] == _greedy_reference(target, p, 40)
@@ -225,7 +225,7 @@ def test_chain_is_a_deterministic_function_of_the_committed_context():
     target = _bigram(vocab, 7)
     res = []
     for _ in range(2):
-        step = GraftStep(GraftConfig(num_draft_tokens=10, topk=3, depth=k), vocab)
+        step = ChainStep(GraftConfig(num_draft_tokens=10, topk=3, depth=k), vocab)
         b = _Batch()
         b.set({"x": ([1, 2, 3, 1, 2], [3, 1]), "y": ([4, 4, 4], [])})
         step.begin()
@@ -237,7 +237,7 @@ def test_chain_is_a_deterministic_function_of_the_committed_context():
 
 
 def test_finish_refuses_missing_draft_passes():
-    step = GraftStep(GraftConfig(num_draft_tokens=6, topk=2, depth=3), 32)
+    step = ChainStep(GraftConfig(num_draft_tokens=6, topk=2, depth=3), 32)
     b = _Batch()
     b.set({"a": ([1, 2], [])})
     step.begin()
@@ -278,7 +278,7 @@ def test_chains_never_hold_nodes_deeper_than_k():
     from graft_spec.tree import node_depths
 
     vocab, k = 64, 2
-    step = GraftStep(GraftConfig(num_draft_tokens=12, topk=3, depth=k), vocab)
+    step = ChainStep(GraftConfig(num_draft_tokens=12, topk=3, depth=k), vocab)
     cyc = [3, 9, 14, 20, 27, 33]
     target = _cycle_target(vocab, cyc, 0)
     _decode(step, target, _bigram(vocab, 5), {"r": cyc * 4}, k, new_tokens=12)
@@ -297,7 +297,7 @@ def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_
     index rule), and every step's tree goes back through `GraftPlanner.observe` (calibration and the
     per-request correction), not the calibrator alone."""
     vocab, k = 64, 2
-    step = GraftStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
+    step = ChainStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
     planner = step.planner
     seen = {"sampled": [], "observe": 0, "begin": []}
     build, observe, begin = planner.build_chains, planner.observe, planner.begin_request
@@ -336,7 +336,7 @@ def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_
 
 def test_per_source_acceptance_is_logged(caplog):
     vocab, k = 64, 2
-    step = GraftStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
+    step = ChainStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
     step.log_every = 3
     target = _bigram(vocab, 4)
     with caplog.at_level("INFO", logger="vllm.graft"):

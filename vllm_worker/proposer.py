@@ -5,9 +5,9 @@ Per decode step (V1 runner, ``disable_padded_drafter_batch=True``, see config_pa
 1. vLLM's own EAGLE-3 loop runs unchanged (`SpecDecodeBaseProposer.propose`,
    llm_base_proposer.py:511-773: draft KV cache, aux hidden states, K passes). The
    `_greedy_sample` override (llm_base_proposer.py:437) hands each pass's logits to
-   `GraftStep.record`, which keeps the top-k siblings and returns the top-1 token the
+   `ChainStep.record`, which keeps the top-k siblings and returns the top-1 token the
    loop continues with.
-2. `GraftStep.finish` observes last step's tree against the committed tokens, syncs
+2. `ChainStep.finish` observes last step's tree against the committed tokens, syncs
    per-request state with ``runner.input_batch`` (requests still held in ``runner.requests``
    but left out of this step stay alive; greedy vs sampled from ``input_batch.greedy_reqs``),
    builds the spine tree, calls graft_spec's prune + retrieve + graft, and picks the best
@@ -27,7 +27,7 @@ import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from .config_patch import graft_config_of
-from .step import GraftStep
+from .step import ChainStep
 
 __all__ = ["GraftProposer"]
 
@@ -47,7 +47,7 @@ class GraftProposer(EagleProposer):
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
-        self.graft = GraftStep(graft_config_of(self.speculative_config),
+        self.graft = ChainStep(graft_config_of(self.speculative_config),
                                vllm_config.model_config.get_vocab_size())
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""`GraftStep`: the engine-side state of Graft in vLLM, without any vLLM import.
+"""`ChainStep`: the engine-side state of Graft in vLLM, without any vLLM import.
 
-`GraftProposer` (proposer.py) owns one `GraftStep` and calls, every decode step:
+`GraftProposer` (proposer.py) owns one `ChainStep` and calls, every decode step:
 
 1. `begin`; then `record` once per EAGLE draft pass (K passes, top-1 continues the loop);
 2. `finish` with the batch's request ids and committed tokens: it hands last step's tree and the
@@ -25,19 +25,17 @@ import numpy as np
 import torch
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import GraftPlanner
-from graft_spec.step import StepOutput, tree_draft_candidates
-from graft_spec.tree import DraftTree
+from graft_spec.pipeline import (DraftTree, GraftPlanner, StepOutput, best_chain, spine_tree,
+                                 tree_draft_candidates)
 
-from graft_spec.chain import best_chain, spine_tree
 from .requests import RequestTracker
 
-__all__ = ["GraftStep"]
+__all__ = ["ChainStep"]
 
 logger = logging.getLogger("vllm.graft")   # child of vLLM's logger: same handler and format
 
 
-class GraftStep:
+class ChainStep:
     """Per-engine Graft state: planner, request tracker, and the current step's draft levels.
 
     Args:
@@ -114,7 +112,7 @@ class GraftStep:
         """Log (logger ``vllm.graft``, INFO, beside vLLM's own SpecDecoding metrics line) and return the
         calibration's per-source figures: trials, estimated and observed acceptance of every source's
         nodes since start (`Calibrator.summary`; one host read)."""
-        summary = self.planner.calibrator.summary()
+        summary = self.planner.calibration_summary()
         parts = [f"{name} {m['observed']:.3f} (est {m['estimated']:.3f}, {m['trials']} nodes)"
                  for name, m in summary["members"].items() if m["trials"]]
         logger.info("graft: acceptance by source after %d steps: %s", self._observed, ", ".join(parts) or "none yet")
@@ -145,7 +143,7 @@ class GraftStep:
         if max_len <= 0 or b == 0:
             return [[] for _ in range(b)]
         if len(self._levels) < max_len:
-            raise RuntimeError(f"GraftStep: {len(self._levels)} draft passes recorded, need {max_len}")
+            raise RuntimeError(f"ChainStep: {len(self._levels)} draft passes recorded, need {max_len}")
         n_tok = np.asarray(num_tokens[:b], dtype=np.int64)
         self._refill_stale(req_ids, token_ids, n_tok, slots)
         levels = self._levels[:max_len]
