@@ -27,14 +27,14 @@ device state (calibration counts, successor table, token history).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable, Optional, Sequence
 
 import torch
 
 from .budget import BatchBudget
 from .calibration import BinLayout, Calibrator
-from .chain import best_chain, spine_tree
+from .chain import best_chain, cap_depth, spine_tree
 from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
 from .graphs import StepGraphs
@@ -434,15 +434,7 @@ class GraftPlanner:
             extend_ids: ``int64[T]`` the tokens the prefill ran, requests back to back, with
                 ``extend_lens`` per request; None skips the warm start.
         """
-        width = self.history.length
-        rows = torch.zeros(len(contexts), width, dtype=torch.int64)
-        lens = torch.zeros(len(contexts), dtype=torch.int64)
-        for i, ctx in enumerate(contexts):
-            tail = list(ctx)[-width:]
-            rows[i, : len(tail)] = torch.tensor(tail, dtype=torch.int64)
-            lens[i] = len(tail)
-        dev = self.device
-        self.reset_slots(slot_ids, rows.to(dev, non_blocking=True), lens.to(dev, non_blocking=True))
+        self._set_windows(slot_ids, contexts)
         first = first.reshape(-1).to(torch.int64)
         self.history.append(slot_ids, first[:, None], torch.ones_like(first))
         if self.successor is None or extend_ids is None or not extend_lens or extend_ids.numel() < 2:
@@ -456,6 +448,18 @@ class GraftPlanner:
         groups = torch.tensor([self.assign_group(r, t) for r, t in zip(req_ids, tenants)],
                               device=ids.device).repeat_interleave(lens_t)
         self.successor.warm_start(ids[:-1], ids[1:], same, groups[:-1])
+
+    def _set_windows(self, slot_ids: torch.Tensor, contexts: Sequence[Sequence[int]]) -> None:
+        """`reset_slots` with each slot's token window = the tail of its host context (one upload)."""
+        width = self.history.length
+        rows = torch.zeros(len(contexts), width, dtype=torch.int64)
+        lens = torch.zeros(len(contexts), dtype=torch.int64)
+        for i, ctx in enumerate(contexts):
+            tail = list(ctx)[-width:]
+            rows[i, : len(tail)] = torch.tensor(tail, dtype=torch.int64)
+            lens[i] = len(tail)
+        dev = self.device
+        self.reset_slots(slot_ids, rows.to(dev, non_blocking=True), lens.to(dev, non_blocking=True))
 
     def plain(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> StepOutput:
         """The root-only `StepOutput` of a plain decode round (verify width 1), so its bookkeeping
@@ -552,12 +556,7 @@ class GraftPlanner:
         if out:
             self.extend(req_id, out)
         self.ensure_slots(slot + 1)
-        width = self.history.length
-        ctx = (prompt + out)[-width:]
-        window = torch.zeros(1, width, dtype=torch.int64)
-        window[0, : len(ctx)] = torch.tensor(ctx, dtype=torch.int64)
-        self.reset_slots(torch.tensor([slot], device=self.device), window.to(self.device),
-                         torch.tensor([len(ctx)], device=self.device))
+        self._set_windows(torch.tensor([slot], device=self.device), [prompt + out])
         if self.successor is not None and len(prompt) > 1:
             ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
             self.successor.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool,
@@ -570,10 +569,8 @@ class GraftPlanner:
         (vLLM 0.33's K): retrieved candidates deeper than ``max_depth`` are dropped before the N - 1
         nodes are chosen (`chain.cap_depth`), so the budget goes to nodes a chain can use. Arguments
         and result as for `build` (full width N)."""
-        from .chain import cap_depth
-
         hist, count = self.history.gather(slot_ids)
-        est, factors = self.calibrator.estimates(), self._factors(slot_ids)
+        est, factors = self.calibrator.table, self._factors(slot_ids)
         parts = cap_depth(self.step.retrieve(roots, host, hist, count, seq_lens, sampled, est, factors), max_depth)
         return self.step(draft, roots, host, hist, count, seq_lens, sampled, est, factors, parts)
 
@@ -595,11 +592,9 @@ class GraftPlanner:
         Returns:
             `observe`'s `RoundStats`.
         """
-        import dataclasses
-
         on_path, known = on_path_from_tokens(out.tree, committed, lens)
         bins = torch.where(known[:, :, None], out.member_bins, -1)
-        stats = self.observe(dataclasses.replace(out, member_bins=bins), on_path, None, committed, lens, slot_ids)
+        stats = self.observe(replace(out, member_bins=bins), on_path, None, committed, lens, slot_ids)
         if self.successor is not None and committed.shape[1] > 0:
             # transitions t -> u along root, committed[0], ...: rows [B * L], the invalid ones masked
             prev = torch.cat([out.tree.tokens[:, :1], committed[:, :-1]], 1)                # [B, L]
