@@ -17,7 +17,7 @@ Each candidate carries a *calibration bin*: a small integer computed from its fe
 | successor | template slot (= its rank path and depth) | product of rank priors |
 | suffix, corpus | depth, count-ratio path probability p, match length | p x 0.85**depth |
 | lookup, outputs | depth, match length (p = 1) | 0.85**depth |
-| agree | node depth, cumulative draft probability q | q**0.5, scaled (`Calibrator.estimates`) |
+| agree | node depth, cumulative draft probability q | q**0.5, scaled (`Calibrator.refresh`) |
 
 and a mode axis (greedy / sampled rows), so ``2 x (2 x draft + successor + 4 x retrieval)`` bins in all
 (a few thousand floats). The estimate of a bin is the posterior mean
@@ -80,7 +80,7 @@ DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 #: Match-length bins (suffix / corpus): 1, 2, 3-4, 5-8, 9-16, 17-32, 33+.
 MATCH_EDGES = (1, 2, 4, 8, 16, 32)
 _RETRIEVAL_DECAY = 0.85
-#: Per-depth decay from a retrieval bin to the next deeper depth bin's prior (see `Calibrator.estimates`).
+#: Per-depth decay from a retrieval bin to the next deeper depth bin's prior (see `Calibrator.refresh`).
 CHAIN_DECAY = 0.95
 #: Pseudo-trials of every bin's prior (small: the data takes over fast).
 PRIOR_WEIGHT = 2.0

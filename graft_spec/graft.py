@@ -167,7 +167,7 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
             ``policy.exclusive_siblings == "greedy"`` only the other rows get `sibling_caps`.
         agreement: ``(offset, estimates[, rows])``: the agreement bin of a node is its draft bin +
             ``offset`` (``BinLayout.offset(SOURCE_AGREE)``), priced from the ``float32`` table
-            ``estimates`` (`Calibrator.estimates`), on the rows of ``bool[B]`` ``rows`` (None or
+            ``estimates`` (`Calibrator.table`), on the rows of ``bool[B]`` ``rows`` (None or
             absent: every row); None and the other rows: agreement nodes are priced by their best
             member and credit the draft bin (calibration.py).
     Returns:

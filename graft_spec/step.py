@@ -457,7 +457,7 @@ class GraftStep:
                 ending with the root.
             seq_lens: ``int64[B]`` committed tokens before the root.
             sampled: ``bool[B]`` rows verified by sampling (their own calibration bins).
-            est_table: ``Calibrator.estimates()``.
+            est_table: the calibrator's estimate table (`Calibrator.table`).
             factors: the rows' per-request correction of the retrieval sources
                 (`RequestCorrection.factors`), or None.
             retrieved: `retrieve`'s blocks of these same inputs when already computed (the eager
