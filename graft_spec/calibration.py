@@ -348,13 +348,9 @@ class Calibrator:
         self._base.copy_(est)
         return self.table.copy_(self._source_corrected(est))
 
-    def estimates(self) -> torch.Tensor:
-        """The fresh estimate table: `refresh` (for callers that changed the counts by `update`
-        themselves)."""
-        return self.refresh()
 
     def _chained(self, first: torch.Tensor) -> torch.Tensor:
-        """The chained retrieval estimates ``float32[2, R, D, Q*M]`` (`estimates`), from the shallowest
+        """The chained retrieval estimates ``float32[2, R, D, Q*M]`` (`refresh`), from the shallowest
         depth bin's ``first`` ``float32[2, R, 1, Q*M]``.
 
         Depth bin d's estimate is an affine function of bin d-1's, ``e_d = a_d + b_d * e_{d-1}`` with
@@ -377,10 +373,6 @@ class Calibrator:
             shift *= 2
         return a
 
-    def latest(self) -> torch.Tensor:
-        """The estimate table as of the last `refresh` (`table`), without recomputing it."""
-        return self.table
-
     def _source_corrected(self, base: torch.Tensor) -> torch.Tensor:
         """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""
         if self.source_window <= 0:
@@ -399,7 +391,7 @@ class Calibrator:
                 source did not propose the node (and for the root and padding).
             on_path: ``bool[B, N]`` nodes on the accepted path.
             depth: ``int64[B, N]`` node depths.
-            estimates: the `estimates` table the round was built with.
+            estimates: the estimate table the round was built with (`table`).
             factors: the per-request correction the round was priced with
                 (`RequestCorrection.factors`: ``(float32[B, NUM_MEMBERS], bool[B, NUM_MEMBERS])``),
                 or None; only the metrics use it (the bins learn from their own counts).

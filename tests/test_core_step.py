@@ -227,25 +227,25 @@ def test_calibration_settles_on_observed_rates():
     d1 = cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-0.2]]), torch.zeros(1, dtype=torch.bool))
     bin1 = int(d1)
     for _ in range(300):
-        est = cal.estimates()
+        est = cal.refresh()
         bins = torch.full((b, n, NUM_MEMBERS), -1)
         bins[:, 1, 0] = bin1
         on_path = torch.zeros(b, n, dtype=torch.bool)
         on_path[:, 0] = True
         on_path[:, 1] = torch.rand(b, generator=rng) < 0.3
         cal.update(bins, on_path, torch.ones(b, n, dtype=torch.int64), est)
-    assert cal.estimates()[bin1].item() == pytest.approx(0.3, abs=0.05)
+    assert cal.refresh()[bin1].item() == pytest.approx(0.3, abs=0.05)
     summary = cal.summary()["members"]["draft"]
     assert summary["trials"] == 1200 and abs(summary["estimated"] - summary["observed"]) < 0.1
     # monotone in the probability axis: a less probable bin never gets a higher estimate
     lower = int(cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-5.0]]),
                                torch.zeros(1, dtype=torch.bool)))
-    assert cal.estimates()[lower] <= cal.estimates()[bin1]
+    assert cal.refresh()[lower] <= cal.refresh()[bin1]
 
 
 def test_chained_retrieval_estimates_follow_the_sequential_recurrence():
     """A retrieval bin's prior is the estimate of the bin one depth shallower times CHAIN_DECAY per
-    depth step (`Calibrator.estimates`); the log-depth scan that composes the chain equals the
+    depth step (`Calibrator.refresh`); the log-depth scan that composes the chain equals the
     sequential recurrence, written out here in float64, up to float32 rounding."""
     planner = GraftPlanner(GraftConfig(), 50)
     cal = planner.calibrator
@@ -255,7 +255,7 @@ def test_chained_retrieval_estimates_follow_the_sequential_recurrence():
     cal.hits = (cal.trials * torch.rand(n, generator=g)).floor()
     mids = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)   # calibration._DEPTH_MID
     depths = torch.tensor([[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60]])          # one per depth bin
-    est = cal.estimates()
+    est = cal.refresh()
     for member in (SOURCE_SUFFIX, SOURCE_LOOKUP, SOURCE_OUTPUTS):
         for sampled in (False, True):
             bins = cal.retrieval_bins(torch.full_like(depths, member), depths, torch.full(depths.shape, -0.7),
@@ -289,8 +289,8 @@ def test_source_correction_follows_a_source_whose_acceptance_jumps(rate):
         for p, rounds in ((0.5, 400), (rate, 64)):
             for _ in range(rounds):
                 on_path = torch.stack([torch.ones(8, dtype=torch.bool), torch.rand(8, generator=gen) < p], dim=1)
-                cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.estimates())
-        est = cal.estimates()
+                cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.refresh())
+        est = cal.refresh()
         estimates[window] = est[node].item()
         base = cal._base[node].item()                           # the bin's own estimate
         if window:
@@ -316,8 +316,8 @@ def test_source_correction_per_mode_on_sampled_rows_too():
         for _ in range(rounds):
             rate = torch.tensor([0.5] * 4 + [p] * 4)
             on_path = torch.stack([torch.ones(8, dtype=torch.bool), torch.rand(8, generator=gen) < rate], dim=1)
-            cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.estimates())
-    est = cal.estimates()
+            cal.update(bins, on_path, torch.ones(8, 2, dtype=torch.int64), cal.refresh())
+    est = cal.refresh()
     assert cal._base[node[True]] < 0.85
     assert est[node[True]].item() == pytest.approx(0.95, abs=0.05)
     assert est[node[False]].item() == pytest.approx(0.5, abs=0.08)
@@ -370,14 +370,14 @@ def test_agreement_priors_follow_what_agreement_has_shown():
     cal = GraftPlanner(cfg, 50).calibrator
     lay = cal.layout
     tried, untried = lay.offset(SOURCE_AGREE) + 5, lay.offset(SOURCE_AGREE) + 8
-    before = cal.estimates()
+    before = cal.refresh().clone()                  # the table is refreshed in place
     bins = torch.full((4, 2, NUM_MEMBERS), -1)
     bins[:, 1, SOURCE_AGREE] = tried
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         on_path = torch.stack([torch.ones(4, dtype=torch.bool), torch.rand(4, generator=gen) < 0.9], dim=1)
-        cal.update(bins, on_path, torch.ones(4, 2, dtype=torch.int64), cal.estimates())
-    after = cal.estimates()
+        cal.update(bins, on_path, torch.ones(4, 2, dtype=torch.int64), cal.refresh())
+    after = cal.refresh()
     ratio = (cal.hits[tried] + 1) / (cal.trials[tried] * cal.prior[tried] + 1)
     assert ratio > 2.0
     assert after[untried].item() == pytest.approx(min(cal.prior[untried].item() * ratio.item(), 0.99), rel=1e-4)

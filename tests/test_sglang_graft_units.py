@@ -415,7 +415,7 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     out = StepOutput.from_tree(DraftTree(tokens, parents, torch.zeros(bs, n), source), torch.tensor([2, 1]))
     out.member_bins[:, 1:, 0] = 5                                  # every real node: one draft bin
     out.member_bins[1, 2] = -1                                     # (not the padding)
-    out.estimates = planner.calibrator.estimates()
+    out.estimates = planner.calibrator.table
     out.gain = torch.tensor([[0.9, 1.5, 1.8], [0.2, 0.3, 0.3]])    # expected accepted nodes at widths 2..4
     vi = SimpleNamespace(graft_out=out)
     # Request x accepted nodes 0 -> 2 -> 3 (global 0, 2, 3) + bonus 44; y accepted nothing, bonus 55.

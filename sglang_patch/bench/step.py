@@ -268,7 +268,7 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
                     rows[method]["syncs"].append(cg.syncs)
                     rows[method]["t"].append(tg)
         if compiled is not None:
-            est = planner.calibrator.estimates()
+            est = planner.calibrator.table
             prev = planner.history.gather(slots)
             args = (dense_draft_candidates(scores, tokens, plist, topk, depth), roots, host, *prev, seq, sampled, est)
             if it == 0:
