@@ -28,6 +28,9 @@ then the successor template, then the host proposals), batched, with fixed itera
 
 No host reads and no data-dependent shapes: the same code runs eagerly on CPU, on an accelerator,
 on ``meta`` tensors and under ``torch.compile(fullgraph=True)`` (tests/test_core_step.py).
+On a CUDA device (and inside `kernels.fused_ops_everywhere`) `merge_select` is one fused op,
+``graft::merge_select`` (graft_spec/kernels/select.py); this torch code, `merge_select_reference`,
+is its CPU implementation and the reference it equals bit for bit.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ import torch
 
 from .candidates import Candidates
 from .config import GraftPolicy
+from .kernels.select import select_fused
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUCCESSOR
 from .tree import HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, DraftTree, pointer_jumps, order_key, path_min, top_mask
 
-__all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select"]
+__all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select", "merge_select_reference"]
 
 
 
@@ -183,8 +187,39 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     if num_nodes < 2:
         raise ValueError(f"merge_select: num_nodes={num_nodes} must be >= 2")
     policy = policy if policy is not None else GraftPolicy()
-    tokens, parents, key, est = cands.tokens, cands.parents, cands.priority, cands.est
-    valid, member, bins = cands.valid, cands.member, cands.bins
+    offset, table, rows = 0, None, None
+    if agreement is not None:
+        offset, table, *rest = agreement
+        rows = rest[0] if rest else None
+    args = (cands.tokens, cands.parents, cands.priority, cands.est, cands.valid, cands.member, cands.bins,
+            num_nodes, gain_nodes or num_nodes, float(policy.min_score), policy.root_width,
+            policy.exclusive_siblings, sampled, int(offset), table, rows)
+    run = torch.ops.graft.merge_select if select_fused(cands.tokens) else merge_select_reference
+    tokens, parents, logp, source, member_bins, gain = run(*args)
+    return DraftTree(tokens, parents, logp, source), member_bins, gain
+
+
+def merge_select_reference(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
+                           valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
+                           gain_nodes: int, min_score: float, root_width: Optional[int], exclusive_siblings: str,
+                           sampled: Optional[torch.Tensor], agree_offset: int, agree_table: Optional[torch.Tensor],
+                           agree_rows: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, ...]:
+    """`merge_select` in torch over its arguments flattened (the schema of the op
+    ``graft::merge_select``, graft_spec/kernels/select.py, whose CPU implementation this is).
+
+    Args:
+        tokens, parents, key, est, valid, member, bins: the `Candidates` fields ``[B, U]`` (``key`` =
+            ``priority``).
+        num_nodes, gain_nodes: N and the gain curve's length + 1 (resolved, >= 1).
+        min_score, root_width, exclusive_siblings: the `GraftPolicy` fields.
+        sampled: ``bool[B]`` or None.
+        agree_offset, agree_table, agree_rows: the ``agreement`` tuple (``agree_table`` None: no
+            agreement; ``agree_rows`` None: every row).
+    Returns:
+        ``(tokens int64[B, N], parents int64[B, N], logp float32[B, N], source [B, N],
+        member_bins int64[B, N, NUM_MEMBERS], gain float32[B, gain_nodes - 1])``.
+    """
     b, u = tokens.shape
     dev = tokens.device
     neg_inf = torch.full((), -math.inf, device=dev)
@@ -192,8 +227,8 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     valid = valid.clone()
     valid[:, 0].fill_(True)
     key = torch.where(valid, key.float(), neg_inf)
-    if policy.min_score > 0:  # nodes that are always kept (key +inf) are exempt
-        key = torch.where((est >= policy.min_score) | (key == math.inf), key, neg_inf)
+    if min_score > 0:  # nodes that are always kept (key +inf) are exempt
+        key = torch.where((est >= min_score) | (key == math.inf), key, neg_inf)
     key[:, 0].fill_(math.inf)
 
     # 1. dedupe by path hash -> canonical member (lowest index of the group)
@@ -213,16 +248,15 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     slot = canon * NUM_MEMBERS + member.clamp(0, NUM_MEMBERS - 1)
     mb = torch.full((b, u * NUM_MEMBERS), -1, dtype=torch.int64, device=dev).scatter_reduce(
         1, slot, torch.where(valid & (bins >= 0), bins, -1), reduce="amax", include_self=True)
-    if agreement is not None:   # draft + retrieval on one node: its own bin, credited instead of the draft's
-        offset, table, *rows = agreement
+    if agree_table is not None:   # draft + retrieval on one node: its own bin, credited instead of the draft's
         mb = mb.view(b, u, NUM_MEMBERS)
         drafted = mb[:, :, SOURCE_DRAFT]
         retrieved = (mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE] >= 0).any(dim=2)   # any member but draft / agree
         agree = (drafted >= 0) & retrieved
-        if rows and rows[0] is not None:
-            agree = agree & rows[0][:, None]
-        agree_bin = torch.where(agree, drafted + offset, -1)
-        agree_est = torch.where(agree, table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
+        if agree_rows is not None:
+            agree = agree & agree_rows[:, None]
+        agree_bin = torch.where(agree, drafted + agree_offset, -1)
+        agree_est = torch.where(agree, agree_table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
         gest = torch.where(agree, torch.maximum(gest, agree_est), gest)
         gkey = torch.where(agree & (gkey < math.inf), torch.maximum(gkey, agree_est), gkey)
         mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE].unbind(2),
@@ -234,27 +268,27 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     cpar = canon.gather(1, parents.clamp(min=0))
     cpar[:, 0].fill_(-1)
     gkey = torch.where(unique, gkey, neg_inf)
-    if policy.root_width is not None:
+    if root_width is not None:
         kids = unique & (cpar == 0) & retrieved_best
-        allowed = top_mask(order_key(torch.where(kids, gkey, neg_inf)), policy.root_width)
+        allowed = top_mask(order_key(torch.where(kids, gkey, neg_inf)), root_width)
         gkey = torch.where(kids & ~allowed, neg_inf, gkey)
     # monotone along paths: drops subtrees of invalid / capped / non-unique parents and makes
     # "top N-1 with ties to the lower index" ancestor-closed
     cjumps = pointer_jumps(cpar)   # shared by both reductions over the canonical tree
     gkey = path_min(gkey, cpar, cjumps)
-    if policy.exclusive_siblings != "never":  # siblings share their parent's mass (`sibling_caps`)
+    if exclusive_siblings != "never":  # siblings share their parent's mass (`sibling_caps`)
         cap = sibling_caps(gest, gkey, cpar, gkey > -math.inf)
         capped_est, capped_key = path_min(torch.stack([torch.minimum(gest.float(), cap),
                                                        torch.where(gkey == math.inf, gkey, torch.minimum(gkey, cap))]),
                                           cpar, cjumps).unbind(0)
-        if policy.exclusive_siblings == "greedy" and sampled is not None:  # sampled rows keep theirs
+        if exclusive_siblings == "greedy" and sampled is not None:  # sampled rows keep theirs
             capped_est = torch.where(sampled.reshape(b, 1), gest.float(), capped_est)
             capped_key = torch.where(sampled.reshape(b, 1), gkey, capped_key)
         gest, gkey = capped_est, capped_key
 
     # 3. fill N - 1 slots; the gain curve prices every width from the same order
     rest = gkey[:, 1:]
-    g = (gain_nodes or num_nodes) - 1
+    g = gain_nodes - 1
     k = min(g, u - 1)
     rkey = order_key(rest)
     top_idx = torch.topk(rkey, k, dim=1).indices                               # sorted: best first
@@ -308,4 +342,4 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     out_src[:, 0].fill_(SOURCE_DRAFT)
     out_bins = torch.where(is_pad[:, :, None], -1, out_bins)
     out_bins[:, 0].fill_(-1)
-    return DraftTree(out_tok, out_par, out_logp, out_src), out_bins, gain
+    return out_tok, out_par, out_logp, out_src, out_bins, gain

@@ -1,0 +1,306 @@
+"""The selection of a round's tree in one kernel: dedupe, priority, sibling caps, fill, compaction.
+
+Reference: `graft.merge_select_reference` (the torch code of `graft.merge_select`, ~150 small ops
+over ``[B, U]`` candidates). Fused: `_select_kernel`, one Triton program per request that holds the
+row's U candidates as a vector and uses ``U x U`` tiles where the reference gathers or scatters:
+
+- a gather ``x[idx]`` is a tile of ``idx_i == j`` reduced over j (one hit: exact), so the path
+  hashes and `path_min` run the reference's pointer jumping round for round;
+- ranks (the reference's stable sorts and top-k) count the candidates with a larger `order_key`;
+- the float prefix sums (`sibling_caps`' and the gain curve's ``torch.cumsum``) run as one
+  sequential loop over a scratch row, accumulating in float64 and rounding every partial sum to
+  float32, as torch's CPU cumsum does, so the two agree bit for bit;
+- the estimate leaves the kernel clamped at 0 and its log (the tree's ``logp``) is the same
+  ``torch.log`` the reference takes.
+
+The op ``graft::merge_select`` takes `merge_select`'s arguments flattened (the policy fields, the
+agreement tuple, optional tensors as ``Tensor?``); its CPU implementation is the reference and its
+CUDA implementation the Triton kernel. `graft.merge_select` calls it where `select_fused` says so.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING
+from ..tree import HASH_ADD, HASH_MIX, HASH_POW, pointer_rounds
+from .layout import _EVERYWHERE, fused_enabled, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["select_fused", "select_triton"]
+
+_CAPS = {"never": 0, "greedy": 1, "always": 2}
+
+
+def select_fused(tokens: torch.Tensor) -> bool:
+    """True when `graft.merge_select` calls the op: on a CUDA device or inside
+    `fused_ops_everywhere`, unless ``GRAFT_REFERENCE_KERNELS=1``."""
+    return (tokens.is_cuda or _EVERYWHERE[0]) and fused_enabled()
+
+
+if triton is not None:
+    @triton.jit
+    def _gather_i(idx, vals, lanes, U: tl.constexpr, other):
+        """``vals[idx]`` for int vectors; ``other`` where idx is outside 0..U-1."""
+        hit = (idx[:, None] == lanes[None, :]) & (lanes[None, :] < U)
+        got = tl.sum(tl.where(hit, vals[None, :], 0), axis=1)
+        return tl.where((idx >= 0) & (idx < U), got, other)
+
+    @triton.jit
+    def _gather_f(idx, vals, lanes, U: tl.constexpr, other):
+        """``vals[idx]`` for float vectors; ``other`` where idx is outside 0..U-1."""
+        hit = (idx[:, None] == lanes[None, :]) & (lanes[None, :] < U)
+        got = tl.max(tl.where(hit, vals[None, :], -float("inf")), axis=1)
+        return tl.where((idx >= 0) & (idx < U), got, other)
+
+    @triton.jit
+    def _order_key(v, lanes):
+        """`tree.order_key`: larger value first, ties to the lower lane (NaN as -inf)."""
+        v = tl.where(v != v, -float("inf"), v)
+        bits = v.to(tl.int32, bitcast=True).to(tl.int64)
+        mono = tl.where(bits < 0, -2147483648 - bits, bits)
+        return mono * 1048576 + (1048575 - lanes.to(tl.int64))
+
+    @triton.jit
+    def _select_kernel(tok_ptr, par_ptr, key_ptr, est_ptr, valid_ptr, mem_ptr, bins_ptr,
+                       sampled_ptr, table_ptr, rows_ptr, agree_offset, min_score, root_width,
+                       out_tok, out_par, out_est, out_src, out_mb, out_gain, scratch,
+                       U: tl.constexpr, N: tl.constexpr, G: tl.constexpr, KN: tl.constexpr,
+                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, NM: tl.constexpr,
+                       CAPS: tl.constexpr, HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr,
+                       HAS_ROWS: tl.constexpr, MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr,
+                       HASH_MIX: tl.constexpr, HASH_ADD: tl.constexpr, HASH_POW: tl.constexpr):
+        """One request per program; the candidates in ``BLOCK`` >= U lanes (see the module docstring
+        for the steps, which follow `graft.merge_select_reference` line for line)."""
+        b = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        live = lanes < U
+        row = b * U + lanes
+        inf = float("inf")
+        tok = tl.load(tok_ptr + row, mask=live, other=0)
+        par = tl.load(par_ptr + row, mask=live, other=-1)
+        est = tl.load(est_ptr + row, mask=live, other=0.0)
+        valid = (tl.load(valid_ptr + row, mask=live, other=0) != 0) | (lanes == 0)
+        valid = valid & live
+        key = tl.where(valid, tl.load(key_ptr + row, mask=live, other=0.0), -inf)
+        if MIN_SCORE:
+            key = tl.where((est >= min_score) | (key == inf), key, -inf)
+        key = tl.where(lanes == 0, inf, key)
+
+        # 1. path hashes (pointer jumping, sentinel lane U) and the canonical member of each group
+        s = tok * HASH_MIX + HASH_ADD
+        s = tl.where(live, s ^ (s >> 31), 0)
+        # round k joins a node's segment to the one 2**k above it; where that exists the node's own
+        # segment is full, so the reference's ``pw`` is P**(2**k) there (and unused elsewhere)
+        pw = tl.full([BLOCK], HASH_POW, tl.int64)
+        p = tl.where(live & (par >= 0), par, U)
+        for _ in range(ROUNDS):       # gathers inline: x[p] = the one hit of p_i == j, sentinel U past the root
+            hit = (p[:, None] == lanes[None, :]) & (p < U)[:, None]
+            s = tl.sum(tl.where(hit, s[None, :], 0), axis=1) * pw + s
+            pw = pw * pw
+            p = tl.where(p < U, tl.sum(tl.where(hit, p[None, :], 0), axis=1), U)
+        same = (s[:, None] == s[None, :])
+        canon = lanes.to(tl.int64)
+        pending = valid
+        for r in tl.static_range(4):
+            bucket = (s >> (r * 13 + 3)) & 255
+            inb = pending[None, :] & (bucket[None, :] == bucket[:, None])
+            cand = tl.minimum(tl.min(tl.where(inb, lanes[None, :], U), axis=1), U - 1)
+            hit = tl.max(((lanes[None, :] == cand[:, None]) & same).to(tl.int32), axis=1) > 0
+            ok = pending & hit
+            canon = tl.where(ok, cand.to(tl.int64), canon)
+            pending = pending & ~ok
+        valid = valid & ~pending
+
+        # 2. the group's best member, every member's bin, agreement
+        okey = _order_key(key, lanes)
+        group = valid[None, :] & (canon[None, :] == lanes[:, None])              # [canonical i, member j]
+        best = tl.max(tl.where(group, okey[None, :], -4611686018427387904), axis=1)
+        best_idx = tl.minimum(tl.maximum(1048575 - (best & 1048575), 0), U - 1)
+        gkey = _gather_f(best_idx, key, lanes, U, 0.0)
+        gest = tl.load(est_ptr + b * U + best_idx)
+        src = tl.load(mem_ptr + b * U + best_idx).to(tl.int64)
+        retrieved_best = src != SOURCE_DRAFT
+        member = tl.minimum(tl.maximum(tl.load(mem_ptr + row, mask=live, other=0), 0), NM - 1)
+        bins = tl.load(bins_ptr + row, mask=live, other=-1).to(tl.int64)
+        binv = tl.where(valid & (bins >= 0), bins, -1)
+        mlanes = tl.arange(0, 8)
+        mb = tl.full([BLOCK, 8], -1, tl.int64)
+        for m in tl.static_range(NM):
+            got = tl.max(tl.where(group & (member[None, :] == m), binv[None, :], -1), axis=1)
+            mb = tl.where(mlanes[None, :] == m, got[:, None], mb)
+        if HAS_AGREE:
+            drafted = tl.max(tl.where(mlanes[None, :] == SOURCE_DRAFT, mb, -1), axis=1)
+            retr = tl.max(tl.where((mlanes[None, :] > SOURCE_DRAFT) & (mlanes[None, :] < SOURCE_AGREE), mb, -1),
+                          axis=1) >= 0
+            agree = (drafted >= 0) & retr
+            if HAS_ROWS:
+                agree = agree & (tl.load(rows_ptr + b) != 0)
+            agree_bin = tl.where(agree, drafted + agree_offset, -1)
+            agree_est = tl.load(table_ptr + tl.maximum(agree_bin, 0), mask=agree, other=0.0)
+            gest = tl.where(agree, tl.maximum(gest, agree_est), gest)
+            gkey = tl.where(agree & (gkey < inf), tl.maximum(gkey, agree_est), gkey)
+            mb = tl.where((mlanes[None, :] == SOURCE_DRAFT) & agree[:, None], -1, mb)
+            mb = tl.where(mlanes[None, :] == SOURCE_AGREE, agree_bin[:, None], mb)
+            src = tl.where(agree, SOURCE_AGREE, src)
+
+        unique = valid & (canon == lanes)
+        cpar = tl.where(lanes == 0, -1, _gather_i(tl.maximum(par, 0), canon, lanes, U, 0))
+        cp = tl.where(live & (cpar >= 0), cpar, U)                                 # sentinel parents
+        gkey = tl.where(unique, gkey, -inf)
+        if HAS_RW:
+            kids = unique & (cpar == 0) & retrieved_best
+            k2 = _order_key(tl.where(kids, gkey, -inf), lanes)
+            rank2 = tl.sum(((k2[None, :] > k2[:, None]) & live[None, :]).to(tl.int32), axis=1)
+            gkey = tl.where(kids & (rank2 >= root_width), -inf, gkey)
+        p = cp
+        for _ in range(ROUNDS):       # `path_min`
+            hit = (p[:, None] == lanes[None, :]) & (p < U)[:, None]
+            gkey = tl.minimum(gkey, tl.min(tl.where(hit, gkey[None, :], inf), axis=1))
+            p = tl.where(p < U, tl.sum(tl.where(hit, p[None, :], 0), axis=1), U)
+
+        if CAPS != 0:   # `sibling_caps`: sort by (parent, key desc), a float64 prefix sum in that order
+            e = tl.where(gkey > -inf, gest, 0.0)
+            ok2 = _order_key(gkey, lanes)
+            lower = (cpar[None, :] < cpar[:, None]) & live[None, :]
+            start = tl.sum(lower.to(tl.int32), axis=1)
+            pos = tl.sum((lower | ((cpar[None, :] == cpar[:, None]) & (ok2[None, :] > ok2[:, None])
+                                   & live[None, :])).to(tl.int32), axis=1)
+            sorted_e = scratch + b * (3 * U)
+            before = sorted_e + U
+            tl.store(sorted_e + pos, e, mask=live)
+            tl.debug_barrier()
+            acc = tl.full([], 0.0, tl.float64)
+            for k in range(U):
+                ek = tl.load(sorted_e + k)
+                acc += ek.to(tl.float64)
+                tl.store(before + k, acc.to(tl.float32) - ek)
+            tl.debug_barrier()
+            above = tl.load(before + pos, mask=live, other=0.0) - tl.load(before + start, mask=live, other=0.0)
+            base = tl.where(cpar < 0, 1.0, _gather_f(tl.maximum(cpar, 0), gest, lanes, U, 0.0))
+            cap = tl.where(lanes == 0, inf, tl.maximum(base - above, 0.0))
+            capped_est = tl.minimum(gest, cap)
+            capped_key = tl.where(gkey == inf, gkey, tl.minimum(gkey, cap))
+            p = cp
+            for _ in range(ROUNDS):   # `path_min` of both
+                hit = (p[:, None] == lanes[None, :]) & (p < U)[:, None]
+                capped_est = tl.minimum(capped_est, tl.min(tl.where(hit, capped_est[None, :], inf), axis=1))
+                capped_key = tl.minimum(capped_key, tl.min(tl.where(hit, capped_key[None, :], inf), axis=1))
+                p = tl.where(p < U, tl.sum(tl.where(hit, p[None, :], 0), axis=1), U)
+            apply = lanes >= 0
+            if CAPS == 1 and HAS_SAMPLED:   # greedy: sampled rows keep their estimates
+                apply = apply & (tl.load(sampled_ptr + b) == 0)
+            gest = tl.where(apply, capped_est, gest)
+            gkey = tl.where(apply, capped_key, gkey)
+
+        # 3. fill: rank the non-root nodes, the gain curve in rank order, the N - 1 best
+        rest = live & (lanes > 0)
+        ok3 = _order_key(gkey, lanes)
+        rank = tl.sum(((ok3[None, :] > ok3[:, None]) & rest[None, :]).to(tl.int32), axis=1)
+        ranked = scratch + b * (3 * U) + 2 * U
+        tl.store(ranked + rank, tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0), mask=rest)
+        tl.debug_barrier()
+        acc = tl.full([], 0.0, tl.float64)
+        for r in range(G):
+            acc += tl.load(ranked + r, mask=r < U - 1, other=0.0).to(tl.float64)
+            tl.store(out_gain + b * G + r, acc.to(tl.float32))
+        sel = (lanes == 0) | (rest & (rank < KN) & (gkey > -inf))
+
+        # 4. compact the selected nodes (positions 1 .. count-1); the root and padding go by position
+        newidx = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        count = tl.sum(sel.to(tl.int32), axis=0)
+        npar = tl.where(lanes == 0, -1, _gather_i(tl.maximum(cpar, 0), newidx.to(tl.int64), lanes, U, 0))
+        put = sel & (lanes > 0)
+        dst = b * N + newidx
+        tl.store(out_tok + dst, tok, mask=put)
+        tl.store(out_par + dst, npar, mask=put)
+        tl.store(out_est + dst, tl.maximum(gest, 0.0), mask=put)
+        tl.store(out_src + dst, src, mask=put)
+        tl.store(out_mb + dst[:, None] * NM + mlanes[None, :], mb, mask=put[:, None] & (mlanes[None, :] < NM))
+        q = tl.arange(0, BN)
+        rootkid = put & (npar == 0)
+        used = tl.max(((tok[:, None] == q[None, :]) & rootkid[:, None]).to(tl.int32), axis=0) > 0
+        free = ~used & (q < N)
+        frank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+        want = tl.minimum(tl.maximum(q - count, 0), N - 1)
+        pad_tok = tl.sum(tl.where(free[None, :] & (frank[None, :] == want[:, None]), q[None, :], 0), axis=1)
+        is_pad = q >= count
+        spot = (q < N) & (is_pad | (q == 0))
+        root_tok = tl.load(tok_ptr + b * U)
+        dq = b * N + q
+        tl.store(out_tok + dq, tl.where(q == 0, root_tok, pad_tok.to(tl.int64)), mask=spot)
+        tl.store(out_par + dq, tl.where(q == 0, -1, 0).to(tl.int64), mask=spot)
+        tl.store(out_est + dq, tl.where(q == 0, 1.0, 0.0), mask=spot)
+        tl.store(out_src + dq, tl.where(q == 0, SOURCE_DRAFT, SOURCE_PADDING).to(tl.int64), mask=spot)
+        tl.store(out_mb + dq[:, None] * NM + mlanes[None, :], tl.full([BN, 8], -1, tl.int64),
+                 mask=spot[:, None] & (mlanes[None, :] < NM))
+
+
+def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
+                  valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int,
+                  gain_nodes: int, min_score: float, root_width: Optional[int], exclusive_siblings: str,
+                  sampled: Optional[torch.Tensor], agree_offset: int, agree_table: Optional[torch.Tensor],
+                  agree_rows: Optional[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`graft.merge_select_reference` as one Triton launch (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``) and the log of the estimates. Same arguments and results.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("graft merge_select: Triton is not installed")
+    b, u = tokens.shape
+    n, g = num_nodes, gain_nodes - 1
+    dev = tokens.device
+    i64 = lambda t: t.contiguous().to(torch.int64)  # noqa: E731
+    out_tok = torch.empty(b, n, dtype=torch.int64, device=dev)
+    out_par = torch.empty_like(out_tok)
+    out_est = torch.empty(b, n, dtype=torch.float32, device=dev)
+    out_src = torch.empty(b, n, dtype=member.dtype, device=dev)
+    out_mb = torch.empty(b, n, NUM_MEMBERS, dtype=torch.int64, device=dev)
+    gain = torch.empty(b, g, dtype=torch.float32, device=dev)
+    if b > 0:
+        scratch = torch.empty(b, 3 * u, dtype=torch.float32, device=dev)
+        flags = lambda t: t.contiguous().to(torch.int8) if t is not None else out_tok  # noqa: E731
+        table = agree_table.contiguous().float() if agree_table is not None else out_est
+        _select_kernel[(b,)](
+            i64(tokens), i64(parents), key.contiguous().float(), est.contiguous().float(), flags(valid),
+            i64(member), i64(bins), flags(sampled), table, flags(agree_rows), int(agree_offset),
+            float(min_score), int(root_width or 0), out_tok, out_par, out_est, out_src, out_mb, gain, scratch,
+            U=u, N=n, G=g, KN=min(n - 1, u - 1), ROUNDS=pointer_rounds(u + 1),
+            BLOCK=triton.next_power_of_2(max(u, 2)), BN=triton.next_power_of_2(max(n, 2)), NM=NUM_MEMBERS,
+            CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
+            HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
+            HASH_MIX=HASH_MIX, HASH_ADD=HASH_ADD, HASH_POW=HASH_POW)
+    return out_tok, out_par, out_est.log(), out_src, out_mb, gain
+
+
+@torch.library.custom_op("graft::merge_select", mutates_args=())
+def _select_op(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
+               valid: torch.Tensor, member: torch.Tensor, bins: torch.Tensor, num_nodes: int, gain_nodes: int,
+               min_score: float, root_width: Optional[int], exclusive_siblings: str,
+               sampled: Optional[torch.Tensor], agree_offset: int, agree_table: Optional[torch.Tensor],
+               agree_rows: Optional[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..graft import merge_select_reference  # graft.py imports this module
+    return merge_select_reference(tokens, parents, key, est, valid, member, bins, num_nodes, gain_nodes, min_score,
+                                  root_width, exclusive_siblings, sampled, agree_offset, agree_table, agree_rows)
+
+
+@_select_op.register_fake
+def _(tokens, parents, key, est, valid, member, bins, num_nodes, gain_nodes, min_score, root_width,
+      exclusive_siblings, sampled, agree_offset, agree_table, agree_rows):
+    b = tokens.shape[0]
+    tok = tokens.new_empty((b, num_nodes), dtype=torch.int64)
+    return (tok, tok.clone(), est.new_empty((b, num_nodes), dtype=torch.float32),
+            member.new_empty((b, num_nodes)), tok.new_empty((b, num_nodes, NUM_MEMBERS)),
+            est.new_empty((b, gain_nodes - 1), dtype=torch.float32))
+
+
+if triton is not None:
+    _select_op.register_kernel("cuda")(select_triton)
