@@ -66,11 +66,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.refresh import refresh_table
 from .sources import (NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_NAMES,
                       SOURCE_SUCCESSOR, SOURCE_SUFFIX, SOURCE_OUTPUTS)
 
 __all__ = [
-    "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "BinLayout", "Calibrator", "linear_correction", "apply_correction",
+    "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "FIXED_ONE", "BinLayout", "Calibrator",
+    "linear_correction", "apply_correction", "to_fixed", "from_fixed",
 ]
 
 #: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
@@ -86,8 +88,22 @@ CHAIN_DECAY = 0.95
 PRIOR_WEIGHT = 2.0
 #: A bin's counts are halved once its trials exceed this (memory for drift).
 HALVE_AT = 4096.0
+#: One unit of the int64 fixed point that sums of estimates are accumulated in (the source window,
+#: the request windows, the round metrics): integer sums are exact in every order, so GPU atomics,
+#: thread counts and tensor-parallel ranks all give the same bits.
+FIXED_ONE = 1 << 32
 #: Middle depth of each depth bin (for the chained prior's decay over the bin's width).
 _DEPTH_MID = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)
+
+
+def to_fixed(x: torch.Tensor) -> torch.Tensor:
+    """``int64``: non-negative ``x`` (float32 or float64) in units of 2**-32, truncated."""
+    return (x.double() * FIXED_ONE).to(torch.int64)
+
+
+def from_fixed(x: torch.Tensor) -> torch.Tensor:
+    """``float32``: an int64 fixed-point value (`to_fixed`) as a float."""
+    return (x.double() * (1.0 / FIXED_ONE)).float()
 
 
 def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
@@ -179,6 +195,59 @@ def apply_correction(base: torch.Tensor, scale: torch.Tensor, under: torch.Tenso
     return torch.where(under, 1.0 - (1.0 - base) * scale, base * scale)
 
 
+def credit_counts(trials: torch.Tensor, hits: torch.Tensor, src_recent, group: torch.Tensor, base: torch.Tensor,
+                  bins: torch.Tensor, on_path: torch.Tensor) -> None:
+    """Add one round's trials and hits to the bins and (``src_recent`` not None) to the source window,
+    in place (halving is `Calibrator.refresh`'s).
+
+    Args:
+        trials, hits: ``float32[S + 1]`` (the dump bin S stays 0); src_recent: ``int64[2M + 1, 3]``
+            fixed-point (trials, sum of the bins' estimates ``base``, hits) per (mode, member), or None.
+        group: ``int64[S + 1]`` each bin's row of ``src_recent``; base: ``float32[S + 1]``.
+        bins: ``int64[B, N, M]`` member bins (-1: none); on_path: ``bool[B, N]``.
+    """
+    dump = trials.numel() - 1
+    valid = bins >= 0
+    flat = torch.where(valid, bins, dump).reshape(-1)
+    v = valid.reshape(-1)
+    hit = (on_path[:, :, None] & valid).reshape(-1)
+    trials.index_add_(0, flat, v.float())
+    hits.index_add_(0, flat, hit.float())
+    trials[dump].fill_(0.0)
+    hits[dump].fill_(0.0)
+    if src_recent is not None:
+        inc = torch.stack([v.long() * FIXED_ONE, to_fixed(base.gather(0, flat)) * v, hit.long() * FIXED_ONE], dim=1)
+        src_recent.index_add_(0, group.gather(0, flat), inc)
+
+
+def round_metrics(bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor, estimates: torch.Tensor,
+                  scale: torch.Tensor, under: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round's calibration metrics per row.
+
+    Args:
+        bins: ``int64[B, N, M]``; on_path: ``bool[B, N]``; depth: ``int64[B, N]``.
+        estimates: ``float32[S + 1]`` the table the round was priced with; scale, under:
+            ``float32[B, M]`` / ``bool[B, M]`` the per-request correction it was priced with.
+        max_depth: the last depth row (deeper nodes count there).
+    Returns:
+        ``(float64[B, M, 3], float64[B, max_depth + 1, 2])``: per row and member (trials, sum of the
+        estimates as priced, hits); per row and depth (verified, accepted) nodes, row 0 zero.
+    """
+    b, n, m = bins.shape
+    valid = bins >= 0
+    hit = on_path[:, :, None] & valid
+    est = estimates.gather(0, torch.where(valid, bins, estimates.numel() - 1).reshape(-1)).view(b, n, m)
+    priced = torch.where(valid, apply_correction(est, scale[:, None, :], under[:, None, :]), 0.0)
+    members = torch.stack([valid.sum(1).double(), to_fixed(priced).sum(1).double() * (1.0 / FIXED_ONE),
+                           hit.sum(1).double()], dim=2)
+    node = valid.any(dim=2)
+    d = torch.where(node, depth.clamp(0, max_depth), 0)
+    depths = torch.zeros(b, max_depth + 1, 2, dtype=torch.float64, device=bins.device).scatter_add_(
+        1, d[:, :, None].expand(b, n, 2), torch.stack([node, node & on_path], dim=2).double())
+    depths[:, 0].fill_(0.0)
+    return members, depths
+
+
 class Calibrator:
     """Device tables of hits / trials per bin, their estimates, and calibration metrics.
 
@@ -196,8 +265,8 @@ class Calibrator:
         member_stats: ``float64[NUM_MEMBERS, 3]`` cumulative (trials, sum of estimates, hits) of
             verified nodes per member source: mean estimated vs observed acceptance.
         depth_stats: ``float64[max_depth + 1, 2]`` cumulative (trials, hits) per node depth.
-        recent: ``float32[2 * NUM_MEMBERS + 1, 3]`` the source correction's window (trials, sum of
-            bin estimates, hits) per (mode, member); last row: dump.
+        recent: ``int64[2 * NUM_MEMBERS + 1, 3]`` the source correction's window (trials, sum of
+            bin estimates, hits) per (mode, member), fixed point (`FIXED_ONE`); last row: dump.
         table: ``float32[size + 1]`` the estimate table every build prices with (`refresh`).
     Raises:
         ValueError: ``prior_weight <= 0`` or ``source_window < 0``.
@@ -242,7 +311,7 @@ class Calibrator:
         self.member_stats = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64, device=self.device)
         self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
         self._group = self._source_groups()
-        self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, device=self.device)
+        self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, dtype=torch.int64, device=self.device)
         # persistent tables, written in place by `refresh` (a captured build reads them at fixed
         # addresses, and no Python assignment has to run again under replay)
         self.table = torch.zeros(n, device=self.device)   # the estimates every build prices with
@@ -315,7 +384,8 @@ class Calibrator:
         return torch.cat([mode, mode, torch.zeros(1, device=self.device)]).clamp(0.0, 1.0)
 
     def refresh(self) -> torch.Tensor:
-        """Recompute the estimate table from the counts, in place, and return it: `table`
+        """Halve the counts past their memory (bins past `halve_at` trials, the source window past
+        ``source_window``), recompute the estimate table from them, in place, and return it: `table`
         ``float32[size + 1]``, the posterior means ``(hits + w * prior) / (trials + w)`` through the
         source correction; the dump bin is 0. `GraftPlanner.observe` calls it once per verified round,
         after the counts changed; a build reads `table` and computes nothing. The table and the bin
@@ -336,55 +406,17 @@ class Calibrator:
         1)``): they are sparse (depth x draft probability) and their ``sqrt(q)`` prior is far below
         what agreement is worth, so a bin seen a few times would lag its rate.
         """
-        est = (self.hits + self.w * self.prior) / (self.trials + self.w)
-        # agreement bins: the prior scaled by the block's observed / expected hits (per mode)
-        ai = self._agree_idx
-        ah, at, ap = self.hits[ai], self.trials[ai], self.prior[ai]
-        ratio = (ah.sum(1, keepdim=True) + 1.0) / ((at * ap).sum(1, keepdim=True) + 1.0)
-        est = est.index_copy(0, ai.reshape(-1),
-                             ((ah + self.w * (ap * ratio).clamp(max=0.99)) / (at + self.w)).reshape(-1))
-        est = est.index_copy(0, self._retr_idx.reshape(-1), self._chained(est[self._retr_idx[:, :, :1]]).reshape(-1))
-        est = torch.where(torch.arange(est.numel(), device=self.device) == self.layout.size, 0.0, est)
-        self._base.copy_(est)
-        return self.table.copy_(self._source_corrected(est))
-
-
-    def _chained(self, first: torch.Tensor) -> torch.Tensor:
-        """The chained retrieval estimates ``float32[2, R, D, Q*M]`` (`refresh`), from the shallowest
-        depth bin's ``first`` ``float32[2, R, 1, Q*M]``.
-
-        Depth bin d's estimate is an affine function of bin d-1's, ``e_d = a_d + b_d * e_{d-1}`` with
-        ``a_d = hits_d / (trials_d + w)`` and ``b_d = w * decay_d / (trials_d + w)``; the D - 1 steps
-        are composed by a log-depth scan (``ceil(log2 D)`` rounds of ~5 ops instead of D - 1 sequential
-        steps of 5: a GPU replays one kernel per op). Equal to the sequential recurrence up to float32
-        rounding.
-        """
-        den = self.trials[self._retr_idx] + self.w                               # [2, R, D, Q*M]
-        # bin 0: the constant map to its own estimate
-        a = torch.cat([first, self.hits[self._retr_idx[:, :, 1:]] / den[:, :, 1:]], 2)
-        b = self._chain_weight / den                       # 0 at bin 0
-        d = a.shape[2]
-        shift = 1
-        while shift < d:                                   # fixed count: ceil(log2 D) rounds
-            # compose each map with the one `shift` bins shallower (identity 0 + 1 * x before bin 0)
-            a = a + b * torch.nn.functional.pad(a, (0, 0, shift, 0))[:, :, :d]
-            if shift * 2 < d:
-                b = b * torch.nn.functional.pad(b, (0, 0, shift, 0), value=1.0)[:, :, :d]
-            shift *= 2
-        return a
-
-    def _source_corrected(self, base: torch.Tensor) -> torch.Tensor:
-        """The source correction (module docstring) of bin estimates ``base`` ``float32[size + 1]``."""
-        if self.source_window <= 0:
-            return base
-        scale, under = linear_correction(*self.recent.unbind(1), self.SOURCE_PSEUDO_TRIALS)
-        return apply_correction(base, scale[self._group], under[self._group])
+        refresh_table(self.hits, self.trials, self.prior, self.recent, self._group, self._agree_idx, self._retr_idx,
+                      self._chain_weight, self._base, self.table, self.w, self.halve_at, self.source_window,
+                      self.SOURCE_PSEUDO_TRIALS)
+        return self.table
 
     # ------------------------------------------------------------------ updates
     def update(self, bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
                estimates: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Credit one verify round.
+        """Credit one verify round (`credit_counts`, `round_metrics`); `refresh` halves and
+        re-estimates after it. `GraftPlanner.observe` does both in its fused bookkeeping.
 
         Args:
             bins: ``int64[B, N, NUM_MEMBERS]`` bin of each member of each tree node, -1 where that
@@ -400,35 +432,22 @@ class Calibrator:
             `depth_stats`): ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) and
             ``float64[max_depth + 1, 2]`` (verified, accepted nodes per depth; row 0 unused).
         """
-        dump = self.layout.size
-        valid = bins >= 0
-        flat = torch.where(valid, bins, dump).reshape(-1)
-        hit = (on_path[:, :, None] & valid).reshape(-1).float()
-        self.trials.index_add_(0, flat, valid.reshape(-1).float())
-        self.hits.index_add_(0, flat, hit)
-        self.trials[dump].fill_(0.0)
-        self.hits[dump].fill_(0.0)
-        scale = torch.where(self.trials > self.halve_at, 0.5, 1.0)
-        self.trials.mul_(scale)
-        self.hits.mul_(scale)
-        if self.source_window > 0:  # the source correction's window, priced with the bins' own estimates
-            v = valid.reshape(-1).float()
-            self.recent.index_add_(0, self._group[flat], torch.stack([v, self._base.gather(0, flat) * v, hit], dim=1))
-            self.recent[-1].fill_(0.0)                                   # the dump row
-            self.recent.mul_(torch.where(self.recent[:, :1] > self.source_window, 0.5, 1.0))
-        # metrics: per member source and per depth (cumulative, never halved)
-        est = estimates.gather(0, flat).view_as(bins)
-        if factors is not None:  # the metrics compare what the round was priced with
-            est = apply_correction(est, factors[0][:, None, :], factors[1][:, None, :])
-        est = est.double()
-        v = valid.double()
-        h = hit.view_as(bins).double()
-        members = torch.stack([v.sum((0, 1)), (est * v).sum((0, 1)), h.sum((0, 1))], dim=1)
-        node = valid.any(dim=2)
-        d = torch.where(node, depth.clamp(0, self.max_depth), 0).reshape(-1)
-        depths = torch.zeros_like(self.depth_stats).index_add_(
-            0, d, torch.stack([node.reshape(-1).double(), (node & on_path).reshape(-1).double()], dim=1))
-        depths[0].fill_(0.0)
+        credit_counts(self.trials, self.hits, self.recent if self.source_window > 0 else None, self._group,
+                      self._base, bins, on_path)
+        scale, under = factors if factors is not None else self.identity(bins.shape[0])
+        members, depths = round_metrics(bins, on_path, depth, estimates, scale, under, self.max_depth)
+        return self.add_metrics(members, depths)
+
+    def identity(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The identity per-request correction of ``rows`` rows: ``(ones float32[rows, NUM_MEMBERS],
+        zeros bool[rows, NUM_MEMBERS])``."""
+        return (torch.ones(rows, NUM_MEMBERS, device=self.device),
+                torch.zeros(rows, NUM_MEMBERS, dtype=torch.bool, device=self.device))
+
+    def add_metrics(self, row_members: torch.Tensor, row_depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add per-row metrics (`round_metrics`) to `member_stats` / `depth_stats`; returns their
+        sums over the rows (exact: fixed-point and integer values)."""
+        members, depths = row_members.sum(0), row_depths.sum(0)
         self.member_stats += members
         self.depth_stats += depths
         return members, depths

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TokenHistory"]
+__all__ = ["TokenHistory", "append_rows"]
 
 
 class TokenHistory:
@@ -44,27 +44,35 @@ class TokenHistory:
             self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(grow, self.length)])
             self.count = torch.cat([self.count, self.count.new_zeros(grow)])
 
-    def _shifted(self, old: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """``old`` [B, L] followed by the first ``lens`` tokens of ``new`` [B, W], last L kept."""
-        ext = torch.cat([old, new.to(torch.int64)], dim=1)                               # [B, L + W]
-        idx = lens.to(torch.int64)[:, None] + torch.arange(self.length, device=ext.device)
-        return ext.gather(1, idx)
-
     def append(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Append the first ``lens[b]`` of ``tokens[b]`` ``[B, W]`` to slot ``slot_ids[b]``."""
-        ids = slot_ids.to(torch.int64)
-        rows = self._shifted(self.tokens.index_select(0, ids), tokens, lens)
-        self.tokens.index_copy_(0, ids, rows)
-        self.count.index_copy_(0, ids, (self.count.index_select(0, ids) + lens.to(torch.int64)).clamp(max=self.length))
+        append_rows(self.tokens, self.count, slot_ids, tokens, lens)
 
     def reset(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Replace slot ``slot_ids[b]``'s window by the first ``lens[b]`` of ``tokens[b]``."""
         ids = slot_ids.to(torch.int64)
         empty = torch.zeros(ids.shape[0], self.length, dtype=torch.int64, device=self.tokens.device)
-        self.tokens.index_copy_(0, ids, self._shifted(empty, tokens, lens))
+        self.tokens.index_copy_(0, ids, _shifted(empty, tokens, lens))
         self.count.index_copy_(0, ids, lens.to(torch.int64).clamp(max=self.length))
 
     def gather(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens int64[B, L], count int64[B])`` of the given slots."""
         ids = slot_ids.to(torch.int64)
         return self.tokens.index_select(0, ids), self.count.index_select(0, ids)
+
+
+def _shifted(old: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """``old`` [B, L] followed by the first ``lens`` tokens of ``new`` [B, W], last L kept."""
+    ext = torch.cat([old, new.to(torch.int64)], dim=1)                                   # [B, L + W]
+    idx = lens.to(torch.int64)[:, None] + torch.arange(old.shape[1], device=ext.device)
+    return ext.gather(1, idx)
+
+
+def append_rows(tokens: torch.Tensor, count: torch.Tensor, slot_ids: torch.Tensor, new: torch.Tensor,
+                lens: torch.Tensor) -> None:
+    """Append the first ``lens[b]`` of ``new[b]`` (``int64[B, W]``) to the windows ``tokens``
+    ``int64[slots, L]`` / ``count`` ``int64[slots]`` of slot ``slot_ids[b]`` (distinct), in place."""
+    ids = slot_ids.to(torch.int64)
+    length = tokens.shape[1]
+    tokens.index_copy_(0, ids, _shifted(tokens.index_select(0, ids), new, lens))
+    count.index_copy_(0, ids, (count.index_select(0, ids) + lens.to(torch.int64)).clamp(max=length))

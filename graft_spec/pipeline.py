@@ -46,6 +46,7 @@ from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
 from .kernels import fused_ops_everywhere
+from .kernels.observe import gain_columns, observe_rows
 from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
 from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, SOURCE_LETTERS, SOURCE_NAMES,
@@ -209,6 +210,7 @@ class GraftPlanner:
                  max_batch: int = 1, max_slots: int = 1, corpus: Optional[CorpusIndex] = None):
         self.config, self.vocab_size = config, vocab_size
         self.device = torch.device(device)
+        self._cols: dict = {}
         r = config.retrieval
         n = config.num_draft_tokens
         groups = {"shared": 1, "tenant": r.max_tenants, "request": 2 * max(max_batch, 1) + 8}[r.isolation]
@@ -511,26 +513,30 @@ class GraftPlanner:
             self.history.append(slot_ids, committed, accept_len)
             return RoundStats(tree.tokens[:, :0], torch.zeros_like(self.calibrator.member_stats),
                               torch.zeros_like(self.calibrator.depth_stats))
-        members, depths = self.calibrator.update(out.member_bins, on_path, out.depth, out.estimates, out.factors)
-        self.request_correction.update(slot_ids, out.member_bins, on_path, out.estimates)
+        cal, rc = self.calibrator, self.request_correction
+        scale, under = out.factors if out.factors is not None else cal.identity(tree.tokens.shape[0])
+        gain = out.gain if out.gain is not None else tree.logp[:, :0]
+        cols = self._gain_columns(gain.shape[1], tree.tokens.shape[1])
+        sources, row_members, row_depths, expected = observe_rows(
+            out.member_bins, on_path, out.depth, tree.source, out.estimates, cal._base, cal._group, scale, under,
+            gain, cols, slot_ids, committed, accept_len, cal.trials, cal.hits, cal.recent, rc.recent,
+            self.history.tokens, self.history.count, cal.source_window > 0, rc.window, cal.max_depth)
+        members, depths = cal.add_metrics(row_members, row_depths)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
             self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),
                                   tree.source != SOURCE_PADDING, groups[:, None].expand_as(tree.tokens))
-        self.history.append(slot_ids, committed, accept_len)
-        self.calibrator.refresh()
-        # accepted nodes in path order = in index order (a path's nodes have increasing indices)
-        n = tree.tokens.shape[1]
-        idx = torch.arange(n, device=on_path.device)
-        key = torch.where(on_path, idx, n)
-        key[:, 0].fill_(n)
-        order = key.sort(dim=1).values[:, : n - 1]
-        sources = torch.where(order < n, tree.source.gather(1, order.clamp(max=n - 1)), -1)
-        expected = None
-        if out.gain is not None:  # a plain round (width 1) prices nothing
-            expected = torch.cat([out.expected_accept_at(self.config.verify_widths),
-                                  out.expected_accept_at((n,))], dim=1)
-        return RoundStats(sources, members, depths, expected)
+        cal.refresh()
+        return RoundStats(sources, members, depths, expected if out.gain is not None else None)
+
+    def _gain_columns(self, gain_len: int, width: int) -> torch.Tensor:
+        """The gain curve's column for each of the config's verify widths and the verified width
+        (`gain_columns`), cached per (curve length, width): built once, read by every round."""
+        key = (gain_len, width)
+        if key not in self._cols:
+            self._cols[key] = gain_columns((*self.config.verify_widths, width), gain_len, self.device)
+        return self._cols[key]
+
 
     # ------------------------------------------------------------------ chain-verifying engines (vLLM)
     def begin_request(self, req_id: Hashable, slot: int, prompt_ids: Sequence[int],

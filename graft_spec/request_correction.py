@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from .calibration import apply_correction, linear_correction
+from .calibration import apply_correction, from_fixed, linear_correction, to_fixed
 from .sources import SOURCE_SUCCESSOR, NUM_MEMBERS, RETRIEVAL_SOURCES
 
-__all__ = ["RequestCorrection", "CORRECTED_MEMBERS"]
+__all__ = ["RequestCorrection", "CORRECTED_MEMBERS", "window_update"]
 
 #: The member sources a request's window corrects.
 CORRECTED_MEMBERS = (SOURCE_SUCCESSOR, *RETRIEVAL_SOURCES)
@@ -110,16 +110,24 @@ class RequestCorrection:
             on_path: ``bool[B, N]`` accepted nodes.
             estimates: the calibrator's table the round was priced with (before this correction).
         """
-        if not self.enabled:
-            return
-        ids = slot_ids.to(torch.int64)
-        valid = bins >= 0
-        est = estimates.gather(0, bins.clamp(min=0).reshape(-1)).view_as(bins)
-        v = valid.float()
-        stats = torch.stack([v.sum(1), (est * v).sum(1), (on_path[:, :, None] & valid).float().sum(1)], dim=2)
-        # one round is one trial of weight 1 per member: its nodes' outcomes are chained (a rejected
-        # node rejects its whole subtree), so twenty nodes of one chain are not twenty samples
-        stats = stats / stats[..., :1].clamp(min=1.0)
-        rows = self.recent.index_select(0, ids) + stats                           # [B, NUM_MEMBERS, 3]
-        rows = rows * torch.where(rows[..., :1] > self.window, 0.5, 1.0)
-        self.recent.index_copy_(0, ids, rows)
+        if self.enabled:
+            window_update(self.recent, slot_ids, bins, on_path, estimates, self.window)
+
+
+def window_update(recent: torch.Tensor, slot_ids: torch.Tensor, bins: torch.Tensor, on_path: torch.Tensor,
+                  estimates: torch.Tensor, window: float) -> None:
+    """Add one verified round to the windows ``recent`` ``float32[slots, NUM_MEMBERS, 3]`` of the rows'
+    slots, in place (arguments as for `RequestCorrection.update`; ``window`` > 0). Each member that
+    proposed verified nodes adds one trial, its nodes' mean estimate (an int64 fixed-point sum,
+    calibration.py `FIXED_ONE`) and hit rate; rows past ``window`` trials are halved."""
+    ids = slot_ids.to(torch.int64)
+    valid = bins >= 0
+    est = torch.where(valid, estimates.gather(0, bins.clamp(min=0).reshape(-1)).view_as(bins), 0.0)
+    stats = torch.stack([valid.sum(1).float(), from_fixed(to_fixed(est).sum(1)),
+                         (on_path[:, :, None] & valid).sum(1).float()], dim=2)
+    # one round is one trial of weight 1 per member: its nodes' outcomes are chained (a rejected
+    # node rejects its whole subtree), so twenty nodes of one chain are not twenty samples
+    stats = stats / stats[..., :1].clamp(min=1.0)
+    rows = recent.index_select(0, ids) + stats                                  # [B, NUM_MEMBERS, 3]
+    rows = rows * torch.where(rows[..., :1] > window, 0.5, 1.0)
+    recent.index_copy_(0, ids, rows)

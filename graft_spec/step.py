@@ -39,6 +39,7 @@ from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
+from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
 from .request_correction import RequestCorrection
 from .retrieval.buffer import HostCandidates
@@ -245,14 +246,8 @@ class StepOutput:
         """``float32[B, len(widths)]``: expected accept length (bonus included) of a tree of each
         width from this round's candidates: ``1 + gain[:, w - 2]`` (1 for width 1; widths beyond
         the gain curve take its last value)."""
-        b = self.tree.tokens.shape[0]
-        dev = self.tree.tokens.device
         gain = self.gain if self.gain is not None else self.tree.logp[:, 1:].exp().cumsum(dim=1)
-        g = gain.shape[1]
-        cols = []
-        for w in widths:
-            cols.append(torch.zeros(b, device=dev) if w <= 1 or g == 0 else gain[:, min(w - 2, g - 1)].float())
-        return 1.0 + torch.stack(cols, dim=1) if cols else torch.zeros(b, 0, device=dev)
+        return expected_lengths(gain, gain_columns(widths, gain.shape[1], gain.device))
 
     @property
     def expected_accept_length(self) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The bit-for-bit comparisons run in a subprocess under ``TRITON_INTERPRET=1`` (Triton must see the
 switch before it is imported; this session's Triton was imported by SGLang already):
-tests/interpret/test_kernels_interpreted.py.
+tests/interpret/test_kernels_interpreted.py (tree layout) and test_bookkeeping_interpreted.py (observe,
+table refresh, successor update).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+INTERPRETED = ("test_kernels_interpreted.py", "test_bookkeeping_interpreted.py")
 
 
 def test_fused_kernels_equal_their_references_under_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(ROOT / "tests" / "interpret" / "test_kernels_interpreted.py")],
+                          *(str(ROOT / "tests" / "interpret" / f) for f in INTERPRETED)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
@@ -54,3 +56,49 @@ def test_reference_switch(monkeypatch):
     assert not layout.fused_enabled()
     monkeypatch.setenv(layout.REFERENCE_ENV, "0")
     assert layout.fused_enabled() == (layout.triton is not None)
+
+
+def test_observe_is_three_launches_inside_fused_ops_everywhere():
+    """`GraftPlanner.observe` on the fused path: the observe kernel, the successor update and the
+    table refresh, plus the metrics' two row sums and two adds (the op counter of
+    ``sglang_patch.bench.step`` counts each custom op as one launch); on CPU each op runs its
+    reference, so both paths leave the same state."""
+    from graft_spec.config import GraftConfig
+    from graft_spec.kernels import fused_ops_everywhere
+    from graft_spec.pipeline import GraftPlanner, dense_draft_candidates, on_path_from_accept_index
+    from sglang_patch.bench.step import OpCounter
+
+    torch.manual_seed(0)
+    planners = [GraftPlanner(GraftConfig(), 300, max_slots=4) for _ in range(2)]
+    b, s = 3, 30
+    draft = dict(scores=torch.rand(b, s), tokens=torch.randint(0, 300, (b, s)))
+    roots, slots, seq = torch.randint(0, 300, (b,)), torch.tensor([2, 0, 1]), torch.tensor([40, 41, 42])
+    accept = torch.full((b, 24), -1)
+    accept[:, 0] = torch.arange(b) * 24
+    accept[:, 1] = torch.arange(b) * 24 + 1
+    topk = torch.randint(0, 300, (b, 24, 8))
+    committed = torch.randint(0, 300, (b, 24))
+    lens = torch.tensor([2, 2, 2])
+    ops, stats = [], []
+    for fused, planner in zip((False, True), planners):
+        cands = dense_draft_candidates(draft["scores"], draft["tokens"], torch.zeros(b, 30, dtype=torch.int64), 1, 30)
+        out = planner.build(cands, roots, planner.host_candidates(["a", "b", "c"]), slots, seq,
+                            torch.zeros(b, dtype=torch.bool))
+        on_path = on_path_from_accept_index(accept, 24)
+        with OpCounter() as c:
+            if fused:
+                with fused_ops_everywhere():
+                    st = planner.observe(out, on_path, topk, committed, lens, slots)
+            else:
+                st = planner.observe(out, on_path, topk, committed, lens, slots)
+        ops.append(c.ops)
+        names = c.names
+        stats.append(st)
+    assert ops[1] <= 10 < ops[0], str(names)
+    a, f = planners
+    for x, y in ((a.calibrator.trials, f.calibrator.trials), (a.calibrator.table, f.calibrator.table),
+                 (a.calibrator.recent, f.calibrator.recent), (a.successor.table, f.successor.table),
+                 (a.history.tokens, f.history.tokens), (a.request_correction.recent, f.request_correction.recent)):
+        assert torch.equal(x, y)
+    for name in ("sources", "members", "depths", "expected"):
+        assert torch.equal(getattr(stats[0], name), getattr(stats[1], name)), name

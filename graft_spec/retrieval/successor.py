@@ -5,7 +5,7 @@ one group shared by all requests, or one per tenant, or one per request; `GraftP
 them). Row t of a group = the target's top-k next tokens the last time token t (t mod R when the
 group has fewer rows R than the vocabulary: hashed, for per-request groups) was verified in that
 group, -1 until then; row R stays all -1 (the row of an empty parent, so lookups need no masking);
-row R + 1 absorbs writes that must not land anywhere (never read).
+row R + 1 absorbs writes that must not land anywhere (never read, reset to -1 after each update).
 
 Proposal (`SuccessorTable.expand`): a fixed rank template rooted at the root token is filled one
 depth at a time (one gather per depth): template slot u with parent slot p and rank r gets token
@@ -28,6 +28,8 @@ import heapq
 import math
 
 import torch
+
+from ..kernels.successor import last_writer, successor_update, table_rows
 
 __all__ = ["SuccessorTable", "rank_template", "template_prior"]
 
@@ -115,8 +117,7 @@ class SuccessorTable:
         """Table row of ``tokens`` in ``groups`` (broadcast); invalid tokens map to the group's empty row."""
         g = torch.as_tensor(groups, device=self.device).to(torch.int64) if not isinstance(groups, torch.Tensor) \
             else groups.to(torch.int64)
-        ok = (tokens >= 0) & (tokens < self.vocab_size)
-        return g * (self.rows + 2) + torch.where(ok, tokens % self.rows, self.rows)
+        return table_rows(tokens, g, self.rows, self.vocab_size)[0]
 
     def reset_group(self, group: int) -> None:
         """Forget everything a group learnt (a group reassigned to a new tenant / request)."""
@@ -148,20 +149,8 @@ class SuccessorTable:
         return toks.clamp(min=0), toks >= 0
 
     # ------------------------------------------------------------------ updates
-    def _last_writer(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """``rows`` with every entry but the last occurrence of each row (and invalid entries)
-        redirected to the dump row (a stable sort; no host read)."""
-        m = rows.shape[0]
-        dump = self.rows + 1                        # group 0's dump row: never read
-        key = torch.where(valid, rows, dump) * (m + 1) + torch.arange(m, device=rows.device)
-        order = torch.argsort(key)
-        srt = torch.where(valid, rows, dump)[order]
-        last = torch.cat([srt[1:] != srt[:-1], torch.ones(1, dtype=torch.bool, device=rows.device)])
-        out = torch.full_like(rows, dump)
-        return out.scatter_(0, order, torch.where(last, srt, dump))
-
     def _keep_empty_rows(self) -> None:
-        self.table.view(self.groups, self.rows + 2, self.k)[:, self.rows].fill_(-1)
+        self.table.view(self.groups, self.rows + 2, self.k)[:, self.rows:].fill_(-1)
 
     def update(self, node_tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
                groups: torch.Tensor | int = 0) -> None:
@@ -175,14 +164,10 @@ class SuccessorTable:
             groups: ``int64[M]`` isolation group of each node (or one int).
         """
         toks = node_tokens.reshape(-1).to(self.device, torch.int64)
-        ok = valid.reshape(-1).to(self.device) & (toks >= 0) & (toks < self.vocab_size)
-        rows = self._last_writer(self.row_of(toks, groups if not isinstance(groups, torch.Tensor)
-                                             else groups.reshape(-1)), ok)
-        new = torch.full((toks.shape[0], self.k), -1, dtype=torch.int32, device=self.device)
-        kk = min(self.k, topk_ids.shape[-1])
-        new[:, :kk] = topk_ids.reshape(toks.shape[0], -1)[:, :kk].to(torch.int32)
-        self.table.index_copy_(0, rows, new)
-        self._keep_empty_rows()
+        g = groups.reshape(-1).to(self.device, torch.int64) if isinstance(groups, torch.Tensor) \
+            else torch.full_like(toks, groups)
+        successor_update(self.table, toks, topk_ids.reshape(toks.shape[0], -1), valid.reshape(-1).to(self.device),
+                         g, self.rows, self.vocab_size)
 
     def warm_start(self, prev: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor,
                    groups: torch.Tensor | int = 0) -> None:
@@ -193,6 +178,6 @@ class SuccessorTable:
         ok = valid.reshape(-1).to(self.device) & (a >= 0) & (a < self.vocab_size) & (b >= 0) & (b < self.vocab_size)
         row = self.row_of(a, groups if not isinstance(groups, torch.Tensor) else groups.reshape(-1))
         ok = ok & (self.table[row, 0] < 0)
-        rows = self._last_writer(row, ok)
+        rows = last_writer(row, ok, self.rows + 1)          # group 0's dump row
         self.table[:, 0].index_copy_(0, rows, b.to(torch.int32))
         self._keep_empty_rows()

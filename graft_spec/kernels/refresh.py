@@ -1,0 +1,231 @@
+"""The calibrator's estimate table recomputed in one kernel (calibration.py `Calibrator.refresh`).
+
+After the counts of a round are in (observe.py), the refresh halves the counts of bins past their
+memory and of the source window past its width, recomputes every bin's posterior mean, scales the
+agreement bins' prior by their block's record, chains the retrieval bins' priors along depth, and
+writes the bin estimates and the source-corrected table into their persistent buffers.
+
+Reference: `refresh_reference` (torch, ~60 ops). Fused: `_refresh_kernel`, one Triton program for
+the whole table (a few thousand bins), phases separated by barriers; the chained prior's log-depth
+scan runs through a scratch buffer with the same operations in the same order, and the agreement
+block's sums are int64 fixed-point sums (calibration.py `FIXED_ONE`), so the two agree bit for bit
+(the kernel is compiled without fused multiply-add). The op ``graft::refresh_table`` has the
+reference as its CPU implementation and the kernel as its CUDA implementation; `refresh_table`
+dispatches like `tree_layout` (layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import _EVERYWHERE, fused_enabled, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["refresh_table", "refresh_reference", "refresh_triton"]
+
+
+def refresh_reference(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Tensor, src_recent: torch.Tensor,
+                      group: torch.Tensor, agree_idx: torch.Tensor, retr_idx: torch.Tensor, chain_weight: torch.Tensor,
+                      base: torch.Tensor, table: torch.Tensor, w: float, halve_at: float, source_window: float,
+                      pseudo_trials: float) -> None:
+    """Halve and re-estimate, in place.
+
+    Args:
+        hits, trials: ``float32[S + 1]`` counts (halved where trials > ``halve_at``).
+        prior: ``float32[S + 1]``.
+        src_recent: ``int64[R, 3]`` the source window, fixed point (rows halved where their trials
+            exceed ``source_window``; ``source_window`` 0 = no source correction).
+        group: ``int64[S + 1]`` each bin's row of ``src_recent``.
+        agree_idx: ``int64[2, A]`` agreement bins per mode; retr_idx: ``int64[2, R', D, P]`` retrieval
+            bins per mode, member, depth bin and (probability, match) bin; chain_weight:
+            ``float32[D, 1]`` the chained prior's weight per depth bin (0 at the shallowest).
+        base, table: ``float32[S + 1]`` written: the bin estimates and the source-corrected table.
+        w: the prior's pseudo-trials; pseudo_trials: the source correction's.
+    Source: calibration.py (`Calibrator.refresh`, module docstring).
+    """
+    from ..calibration import FIXED_ONE, apply_correction, from_fixed, linear_correction, to_fixed
+
+    half = torch.where(trials > halve_at, 0.5, 1.0)
+    trials.mul_(half)
+    hits.mul_(half)
+    if source_window > 0:
+        src_recent.copy_(torch.where(src_recent[:, :1] > int(source_window * FIXED_ONE), src_recent >> 1, src_recent))
+    est = (hits + w * prior) / (trials + w)
+    # agreement bins: the prior scaled by the block's observed / expected hits (per mode)
+    ah, at, ap = hits[agree_idx], trials[agree_idx], prior[agree_idx]
+    ratio = ((from_fixed(to_fixed(ah).sum(1, keepdim=True)) + 1.0)
+             / (from_fixed(to_fixed(at * ap).sum(1, keepdim=True)) + 1.0))
+    est = est.index_copy(0, agree_idx.reshape(-1), ((ah + w * (ap * ratio).clamp(max=0.99)) / (at + w)).reshape(-1))
+    # retrieval bins: depth bin d's estimate is a_d + b_d * (bin d-1's), composed by a log-depth scan
+    den = trials[retr_idx] + w
+    a = torch.cat([est[retr_idx[:, :, :1]], hits[retr_idx[:, :, 1:]] / den[:, :, 1:]], 2)
+    b = chain_weight / den
+    d = a.shape[2]
+    shift = 1
+    while shift < d:                                   # fixed count: ceil(log2 D) rounds
+        a = a + b * torch.nn.functional.pad(a, (0, 0, shift, 0))[:, :, :d]
+        if shift * 2 < d:
+            b = b * torch.nn.functional.pad(b, (0, 0, shift, 0), value=1.0)[:, :, :d]
+        shift *= 2
+    est = est.index_copy(0, retr_idx.reshape(-1), a.reshape(-1))
+    est = torch.where(torch.arange(est.numel(), device=est.device) == est.numel() - 1, 0.0, est)
+    base.copy_(est)
+    if source_window > 0:
+        scale, under = linear_correction(*from_fixed(src_recent).unbind(1), pseudo_trials)
+        est = apply_correction(est, scale[group], under[group])
+    table.copy_(est)
+
+
+if triton is not None:
+    @triton.jit
+    def _fx_sum(x):
+        return tl.sum((x.to(tl.float64) * 4294967296.0).to(tl.int64), axis=0)
+
+    @triton.jit
+    def _from_fx(x):
+        return (x.to(tl.float64) * (1.0 / 4294967296.0)).to(tl.float32)
+
+    @triton.jit
+    def _refresh_kernel(hits_ptr, trials_ptr, prior_ptr, src_ptr, group_ptr, agree_ptr, retr_ptr, cw_ptr,
+                        base_ptr, table_ptr, scratch_ptr, w, halve_at, window_fx, pseudo,
+                        S1: tl.constexpr, NR: tl.constexpr, A: tl.constexpr, RM: tl.constexpr,
+                        D: tl.constexpr, P: tl.constexpr, WINDOW_ON: tl.constexpr, BLOCK: tl.constexpr,
+                        BR: tl.constexpr, BA: tl.constexpr, BDD: tl.constexpr, BP: tl.constexpr):
+        """The whole table in one program: halve, estimate, agreement, chain, correct."""
+        r = tl.arange(0, BR)
+        if WINDOW_ON:
+            tr = tl.load(src_ptr + r * 3, mask=r < NR, other=0)
+            ev = tl.load(src_ptr + r * 3 + 1, mask=r < NR, other=0)
+            hv = tl.load(src_ptr + r * 3 + 2, mask=r < NR, other=0)
+            over = tr > window_fx
+            tl.debug_barrier()
+            tl.store(src_ptr + r * 3, tl.where(over, tr >> 1, tr), mask=r < NR)
+            tl.store(src_ptr + r * 3 + 1, tl.where(over, ev >> 1, ev), mask=r < NR)
+            tl.store(src_ptr + r * 3 + 2, tl.where(over, hv >> 1, hv), mask=r < NR)
+            tl.debug_barrier()
+        # 1. halve the counts, posterior means into base (the dump bin: 0)
+        for start in range(0, S1, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            live = i < S1
+            t = tl.load(trials_ptr + i, mask=live, other=0.0)
+            h = tl.load(hits_ptr + i, mask=live, other=0.0)
+            half = tl.where(t > halve_at, 0.5, 1.0)
+            t = t * half
+            h = h * half
+            tl.store(trials_ptr + i, t, mask=live)
+            tl.store(hits_ptr + i, h, mask=live)
+            pr = tl.load(prior_ptr + i, mask=live, other=0.0)
+            est = (h + w * pr) / (t + w)
+            tl.store(base_ptr + i, tl.where(i == S1 - 1, 0.0, est), mask=live)
+        tl.debug_barrier()
+        # 2. agreement bins, per mode
+        q = tl.arange(0, BA)
+        for mode in tl.static_range(2):
+            ai = tl.load(agree_ptr + mode * A + q, mask=q < A, other=0)
+            ah = tl.load(hits_ptr + ai, mask=q < A, other=0.0)
+            at = tl.load(trials_ptr + ai, mask=q < A, other=0.0)
+            ap = tl.load(prior_ptr + ai, mask=q < A, other=0.0)
+            ratio = (_from_fx(_fx_sum(ah)) + 1.0) / (_from_fx(_fx_sum(at * ap)) + 1.0)
+            val = (ah + w * tl.minimum(ap * ratio, 0.99)) / (at + w)
+            tl.store(base_ptr + ai, val, mask=q < A)
+        tl.debug_barrier()
+        # 3. retrieval chains: rows (mode, member), tile [depth bin, (probability, match) bin]
+        dd = tl.arange(0, BDD)
+        pp = tl.arange(0, BP)
+        live2 = (dd[:, None] < D) & (pp[None, :] < P)
+        cw = tl.load(cw_ptr + dd, mask=dd < D, other=0.0)
+        sa = scratch_ptr + dd[:, None] * P + pp[None, :]
+        sb = sa + D * P
+        for row in range(0, RM):
+            idx = tl.load(retr_ptr + row * D * P + dd[:, None] * P + pp[None, :], mask=live2, other=0)
+            den = tl.load(trials_ptr + idx, mask=live2, other=0.0) + w
+            first = tl.load(base_ptr + idx, mask=live2, other=0.0)
+            a = tl.where(dd[:, None] == 0, first, tl.load(hits_ptr + idx, mask=live2, other=0.0) / den)
+            bb = cw[:, None] / den
+            shift = 1
+            while shift < D:
+                tl.debug_barrier()
+                tl.store(sa, a, mask=live2)
+                tl.store(sb, bb, mask=live2)
+                tl.debug_barrier()
+                up = live2 & (dd[:, None] >= shift)
+                a_up = tl.load(sa - shift * P, mask=up, other=0.0)
+                b_up = tl.load(sb - shift * P, mask=up, other=1.0)
+                a = a + bb * a_up
+                if shift * 2 < D:
+                    bb = bb * b_up
+                shift *= 2
+            tl.store(base_ptr + idx, a, mask=live2)
+        tl.debug_barrier()
+        # 4. the source correction into the table
+        for start in range(0, S1, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            live = i < S1
+            est = tl.load(base_ptr + i, mask=live, other=0.0)
+            if WINDOW_ON:
+                g = tl.load(group_ptr + i, mask=live, other=0)
+                t = _from_fx(tl.load(src_ptr + g * 3, mask=live, other=0))
+                e = _from_fx(tl.load(src_ptr + g * 3 + 1, mask=live, other=0))
+                h = _from_fx(tl.load(src_ptr + g * 3 + 2, mask=live, other=0))
+                pe = pseudo * e / tl.maximum(t, 1e-6)
+                pm = pseudo - pe
+                seen = t >= 1.0
+                hs = tl.minimum(tl.where(seen, (h + pe) / tl.maximum(e + pe, 1e-6), 1.0), 1.0)
+                ms = tl.minimum(tl.where(seen, (t - h + pm) / tl.maximum(t - e + pm, 1e-6), 1.0), 1.0)
+                under = h > e
+                sc = tl.where(under, ms, hs)
+                est = tl.where(under, 1.0 - (1.0 - est) * sc, est * sc)
+            tl.store(table_ptr + i, est, mask=live)
+
+
+def refresh_triton(hits, trials, prior, src_recent, group, agree_idx, retr_idx, chain_weight, base, table,
+                   w: float, halve_at: float, source_window: float, pseudo_trials: float) -> None:
+    """`refresh_reference` as one Triton launch (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``). Same arguments and effects.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("graft refresh_table: Triton is not installed")
+    from ..calibration import FIXED_ONE
+
+    _, rm, d, p = retr_idx.shape
+    scratch = torch.empty(2 * d * p, dtype=torch.float32, device=hits.device)
+    p2 = triton.next_power_of_2
+    _refresh_kernel[(1,)](hits, trials, prior, src_recent, group, agree_idx.contiguous(), retr_idx.contiguous(),
+                          chain_weight.contiguous(), base, table, scratch, float(w), float(halve_at),
+                          int(source_window * FIXED_ONE), float(pseudo_trials), S1=hits.numel(),
+                          NR=src_recent.shape[0], A=agree_idx.shape[1], RM=2 * rm, D=d, P=p,
+                          WINDOW_ON=source_window > 0, BLOCK=1024, BR=p2(src_recent.shape[0]),
+                          BA=p2(max(agree_idx.shape[1], 2)), BDD=p2(max(d, 2)), BP=p2(max(p, 2)),
+                          enable_fp_fusion=False)
+
+
+@torch.library.custom_op("graft::refresh_table", mutates_args=["hits", "trials", "src_recent", "base", "table"])
+def _refresh_op(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Tensor, src_recent: torch.Tensor,
+                group: torch.Tensor, agree_idx: torch.Tensor, retr_idx: torch.Tensor, chain_weight: torch.Tensor,
+                base: torch.Tensor, table: torch.Tensor, w: float, halve_at: float, source_window: float,
+                pseudo_trials: float) -> None:
+    refresh_reference(hits, trials, prior, src_recent, group, agree_idx, retr_idx, chain_weight, base, table, w,
+                      halve_at, source_window, pseudo_trials)
+
+
+@_refresh_op.register_fake
+def _(*args):
+    return None
+
+
+if triton is not None:
+    _refresh_op.register_kernel("cuda")(refresh_triton)
+
+
+def refresh_table(*args) -> None:
+    """`refresh_reference`'s contract: one fused launch on a CUDA device (or inside
+    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
+    if (args[0].is_cuda or _EVERYWHERE[0]) and fused_enabled():
+        torch.ops.graft.refresh_table(*args)
+    else:
+        refresh_reference(*args)

@@ -1,0 +1,132 @@
+"""The successor table's update in one kernel (retrieval/successor.py, paper Eq. 12/14).
+
+Every verified non-padding node overwrites its token's row (in its isolation group) with the
+target's top-k after it; of several nodes with the same row, the one with the largest flat index
+wins. The reference (`successor_update_reference`, ~20 ops) finds the last writers with a stable sort
+and writes them with ``index_copy_`` through a dump row; the kernel (`_successor_kernel`, one
+program per block of nodes) lets a node write when no later valid node has its row, so the writes
+are disjoint and the result does not depend on the device's order. The op
+``graft::successor_update`` has the reference as its CPU implementation and the kernel as its CUDA
+implementation; `successor_update` dispatches like `tree_layout` (layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import _EVERYWHERE, fused_enabled, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["successor_update", "successor_update_reference", "successor_update_triton", "table_rows", "last_writer"]
+
+
+def table_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row int64, ok bool)`` of ``tokens`` in ``groups`` (broadcast): row ``t mod rows`` of the
+    group's block of ``rows + 2``; tokens outside ``[0, vocab)`` (not ok) get the group's empty row."""
+    ok = (tokens >= 0) & (tokens < vocab)
+    return groups * (rows + 2) + torch.where(ok, tokens % rows, rows), ok
+
+
+def last_writer(row: torch.Tensor, ok: torch.Tensor, dump: int) -> torch.Tensor:
+    """``row`` ``int64[M]`` with every entry but the last ok occurrence of each row redirected to
+    ``dump`` (a stable sort; no host read)."""
+    m = row.shape[0]
+    key = torch.where(ok, row, dump) * (m + 1) + torch.arange(m, device=row.device)
+    order = torch.argsort(key)
+    srt = torch.where(ok, row, dump)[order]
+    last = torch.cat([srt[1:] != srt[:-1], torch.ones(1, dtype=torch.bool, device=row.device)])
+    return torch.full_like(row, dump).scatter_(0, order, torch.where(last, srt, dump))
+
+
+def successor_update_reference(table: torch.Tensor, tokens: torch.Tensor, topk_ids: torch.Tensor,
+                               valid: torch.Tensor, groups: torch.Tensor, rows: int, vocab: int) -> None:
+    """Overwrite the rows of the valid nodes, in place.
+
+    Args:
+        table: ``int32[G * (rows + 2), k]``; rows R and R + 1 of every group stay -1.
+        tokens: ``int64[M]`` node tokens; topk_ids: ``int64[M, k']`` the target's top-k after each,
+            best first (k' > k truncated, k' < k leaves ranks at -1); valid: ``bool[M]``;
+            groups: ``int64[M]`` isolation groups.
+        rows: R, rows per group; vocab: tokens outside ``[0, vocab)`` are never written.
+    """
+    m, k = tokens.shape[0], table.shape[1]
+    row, ok = table_rows(tokens, groups, rows, vocab)
+    dest = last_writer(row, ok & valid, rows + 1)              # group 0's dump row
+    new = torch.full((m, k), -1, dtype=torch.int32, device=table.device)
+    kk = min(k, topk_ids.shape[-1])
+    new[:, :kk] = topk_ids[:, :kk].to(torch.int32)
+    table.index_copy_(0, dest, new)
+    table.view(-1, rows + 2, k)[:, rows:].fill_(-1)
+
+
+if triton is not None:
+    @triton.jit
+    def _successor_kernel(table_ptr, tok_ptr, topk_ptr, valid_ptr, group_ptr, M, rows, vocab,
+                          KP: tl.constexpr, K: tl.constexpr, KK: tl.constexpr, BI: tl.constexpr,
+                          BJ: tl.constexpr, BK: tl.constexpr):
+        """Nodes ``BI`` per program; a node writes when no later valid node shares its row."""
+        i = tl.program_id(0) * BI + tl.arange(0, BI)
+        tok = tl.load(tok_ptr + i, mask=i < M, other=-1)
+        grp = tl.load(group_ptr + i, mask=i < M, other=0)
+        ok = (tok >= 0) & (tok < vocab) & (tl.load(valid_ptr + i, mask=i < M, other=0) != 0) & (i < M)
+        row = grp * (rows + 2) + tl.where(ok, tok % rows, rows)
+        later = tl.zeros([BI], dtype=tl.int32)
+        for start in range(0, M, BJ):
+            j = start + tl.arange(0, BJ)
+            tj = tl.load(tok_ptr + j, mask=j < M, other=-1)
+            gj = tl.load(group_ptr + j, mask=j < M, other=0)
+            okj = (tj >= 0) & (tj < vocab) & (tl.load(valid_ptr + j, mask=j < M, other=0) != 0) & (j < M)
+            rj = gj * (rows + 2) + tl.where(okj, tj % rows, rows)
+            same = (rj[None, :] == row[:, None]) & okj[None, :] & (j[None, :] > i[:, None])
+            later += tl.sum(same.to(tl.int32), axis=1)
+        write = ok & (later == 0)
+        c = tl.arange(0, BK)
+        vals = tl.load(topk_ptr + i[:, None] * KP + c[None, :], mask=(i[:, None] < M) & (c[None, :] < KK), other=-1)
+        tl.store(table_ptr + row[:, None] * K + c[None, :], vals.to(tl.int32),
+                 mask=write[:, None] & (c[None, :] < K))
+
+
+def successor_update_triton(table, tokens, topk_ids, valid, groups, rows: int, vocab: int) -> None:
+    """`successor_update_reference` as one Triton launch (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``). Same arguments and effects.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("graft successor_update: Triton is not installed")
+    m, k = tokens.shape[0], table.shape[1]
+    if m == 0:
+        return
+    topk = topk_ids.reshape(m, -1).contiguous().to(torch.int64)
+    bi = 32
+    _successor_kernel[(triton.cdiv(m, bi),)](table, tokens.contiguous().to(torch.int64), topk,
+                                            valid.contiguous().to(torch.int8), groups.contiguous().to(torch.int64),
+                                            m, rows, vocab, KP=topk.shape[1], K=k, KK=min(k, topk.shape[1]), BI=bi,
+                                            BJ=128, BK=triton.next_power_of_2(max(k, 2)))
+
+
+@torch.library.custom_op("graft::successor_update", mutates_args=["table"])
+def _successor_op(table: torch.Tensor, tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
+                  groups: torch.Tensor, rows: int, vocab: int) -> None:
+    successor_update_reference(table, tokens, topk_ids, valid, groups, rows, vocab)
+
+
+@_successor_op.register_fake
+def _(*args):
+    return None
+
+
+if triton is not None:
+    _successor_op.register_kernel("cuda")(successor_update_triton)
+
+
+def successor_update(*args) -> None:
+    """`successor_update_reference`'s contract: one fused launch on a CUDA device (or inside
+    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
+    if (args[0].is_cuda or _EVERYWHERE[0]) and fused_enabled():
+        torch.ops.graft.successor_update(*args)
+    else:
+        successor_update_reference(*args)

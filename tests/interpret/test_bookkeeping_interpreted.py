@@ -1,0 +1,158 @@
+"""The fused bookkeeping kernels (observe, table refresh, successor update) against their torch
+references, bit for bit, in every state they mutate and every result, run by Triton's interpreter.
+
+Collected in the main test run, these tests skip unless ``TRITON_INTERPRET=1`` was set before
+Triton was imported; tests/test_kernels.py runs this file in a subprocess with it set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 before Triton is imported (tests/test_kernels.py)")
+
+
+def _planner(slots: int, source_window: float = 256.0, request_window: float = 64.0):
+    from graft_spec.config import GraftConfig
+    from graft_spec.pipeline import GraftPlanner
+
+    cfg = GraftConfig(calibration={"source_window": source_window, "request_window": request_window})
+    return GraftPlanner(cfg, 500, max_slots=slots)
+
+
+def _counts(cal, g: torch.Generator) -> None:
+    """Counts with fractional bits (as halving leaves them), some bins past their memory."""
+    n = cal.trials.numel()
+    trials = torch.randint(0, 9000, (n,), generator=g).float() / 2.0 ** torch.randint(0, 12, (n,), generator=g)
+    trials[torch.rand(n, generator=g) < 0.5] = 0.0
+    cal.trials.copy_(trials)
+    cal.hits.copy_(torch.floor(trials * torch.rand(n, generator=g)))
+    cal.trials[-1] = 0.0
+    cal.hits[-1] = 0.0
+    t = torch.randint(0, 600, (cal.recent.shape[0] - 1,), generator=g).to(torch.int64) << 32
+    cal.recent[:-1, 0] = t
+    cal.recent[:-1, 1] = (t.double() * torch.rand(t.shape[0], generator=g, dtype=torch.float64)).to(torch.int64)
+    cal.recent[:-1, 2] = (t.double() * torch.rand(t.shape[0], generator=g, dtype=torch.float64)).to(torch.int64)
+
+
+def _state(planner) -> dict:
+    cal = planner.calibrator
+    return {"trials": cal.trials, "hits": cal.hits, "recent": cal.recent, "base": cal._base, "table": cal.table,
+            "request": planner.request_correction.recent, "hist": planner.history.tokens,
+            "count": planner.history.count, "successor": planner.successor.table}
+
+
+def _clone(state: dict) -> dict:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@st.composite
+def rounds(draw):
+    return (draw(st.sampled_from([1, 3, 16, 64])), draw(st.sampled_from([2, 24, 60])),
+            draw(st.integers(0, 2 ** 31 - 1)), draw(st.booleans()), draw(st.sampled_from([0.0, 64.0])),
+            draw(st.booleans()))
+
+
+@settings(max_examples=14, deadline=None)
+@given(case=rounds())
+def test_observe_kernel_equals_reference(case):
+    from graft_spec.kernels.observe import gain_columns, observe_rows_reference, observe_rows_triton
+    from graft_spec.sources import NUM_MEMBERS, NUM_SOURCES
+
+    b, n, seed, window_on, rc_window, with_gain = case
+    g = torch.Generator().manual_seed(seed)
+    slots = b + 5
+    planner = _planner(slots)
+    cal = planner.calibrator
+    _counts(cal, g)
+    cal.refresh()
+    planner.request_correction.recent.copy_(torch.rand(slots, NUM_MEMBERS, 3, generator=g) * 70)
+    planner.history.tokens.copy_(torch.randint(0, 500, planner.history.tokens.shape, generator=g))
+    planner.history.count.copy_(torch.randint(0, planner.history.length + 1, (slots,), generator=g))
+    s1 = cal.trials.numel()
+    # bins drawn from a small pool, so that many nodes of many rows credit the same bins
+    pool = torch.randint(0, s1 - 1, (max(4, b * n // 8),), generator=g)
+    bins = pool[torch.randint(0, pool.numel(), (b, n, NUM_MEMBERS), generator=g)]
+    bins = torch.where(torch.rand(b, n, NUM_MEMBERS, generator=g) < 0.6, -1, bins)
+    bins[:, 0] = -1
+    on_path = torch.rand(b, n, generator=g) < 0.4
+    on_path[:, 0] = True
+    depth = torch.randint(0, 80, (b, n), generator=g)
+    source = torch.randint(0, NUM_SOURCES, (b, n), generator=g)
+    scale = torch.rand(b, NUM_MEMBERS, generator=g)
+    under = torch.rand(b, NUM_MEMBERS, generator=g) < 0.5
+    gain = torch.rand(b, n - 1 if with_gain else 0, generator=g).cumsum(1)
+    cols = gain_columns((1, 2, 6, 12, 24, 61, n), gain.shape[1], "cpu")
+    slot_ids = torch.randperm(slots, generator=g)[:b]
+    committed = torch.randint(0, 500, (b, n), generator=g)
+    accept_len = torch.randint(1, n + 1, (b,), generator=g)
+    args = (bins, on_path, depth, source, cal.table.clone(), cal._base.clone(), cal._group, scale, under, gain, cols,
+            slot_ids, committed, accept_len)
+    tail = (window_on, rc_window, cal.max_depth)
+    results, states = [], []
+    for fn in (observe_rows_reference, observe_rows_triton):
+        st_ = _clone(_state(planner))
+        results.append(fn(*args, st_["trials"], st_["hits"], st_["recent"], st_["request"], st_["hist"],
+                          st_["count"], *tail))
+        states.append(st_)
+    _assert_equal(states[0], states[1])
+    for name, r, f in zip(("sources", "members", "depths", "expected"), *results):
+        assert r.dtype == f.dtype and r.shape == f.shape, name
+        assert torch.equal(r, f), name
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2 ** 31 - 1), window=st.sampled_from([0.0, 64.0, 256.0]))
+def test_refresh_kernel_equals_reference(seed, window):
+    from graft_spec.kernels.refresh import refresh_reference, refresh_triton
+
+    planner = _planner(2, source_window=window)
+    cal = planner.calibrator
+    _counts(cal, torch.Generator().manual_seed(seed))
+    st0 = _state(planner)
+    outs = []
+    for fn in (refresh_reference, refresh_triton):
+        s = _clone(st0)
+        fn(s["hits"], s["trials"], cal.prior, s["recent"], cal._group, cal._agree_idx, cal._retr_idx,
+           cal._chain_weight, s["base"], s["table"], cal.w, cal.halve_at, window, cal.SOURCE_PSEUDO_TRIALS)
+        outs.append(s)
+    _assert_equal(outs[0], outs[1])
+    assert not torch.equal(outs[0]["table"], st0["table"])          # it did recompute
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.sampled_from([1, 7, 24, 200, 960]), seed=st.integers(0, 2 ** 31 - 1), k2=st.sampled_from([3, 8, 11]),
+       groups=st.sampled_from([1, 3]), rows=st.sampled_from([None, 37]))
+def test_successor_kernel_equals_reference(m, seed, k2, groups, rows):
+    from graft_spec.kernels.successor import successor_update_reference, successor_update_triton
+    from graft_spec.retrieval.successor import SuccessorTable
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 300
+    succ = SuccessorTable(vocab, k=8, groups=groups, rows=rows)
+    succ.table.copy_(torch.randint(-1, vocab, succ.table.shape, generator=g).to(torch.int32))
+    succ._keep_empty_rows()
+    # few distinct tokens: many nodes write the same rows; some out of the vocabulary
+    tokens = torch.randint(-2, 40, (m,), generator=g)
+    tokens[torch.rand(m, generator=g) < 0.05] = vocab + 3
+    topk = torch.randint(0, vocab, (m, k2), generator=g)
+    valid = torch.rand(m, generator=g) < 0.8
+    grp = torch.randint(0, groups, (m,), generator=g)
+    tables = []
+    for fn in (successor_update_reference, successor_update_triton):
+        t = succ.table.clone()
+        fn(t, tokens, topk, valid, grp, succ.rows, vocab)
+        tables.append(t)
+    assert torch.equal(tables[0], tables[1])
