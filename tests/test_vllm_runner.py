@@ -71,7 +71,7 @@ with set_current_vllm_config(cfg):
     from vllm import SamplingParams
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
-    from graft_spec.chain import best_chain
+    from graft_spec.chain import ChainPricer
 
     def fake_loop(self, num_speculative_tokens, target_token_ids, target_positions,
                   target_hidden_states, next_token_ids, *a, **kw):
@@ -91,8 +91,12 @@ with set_current_vllm_config(cfg):
         chains = d.propose(K, None, None, None, roots, None, None, None)
     tree = d.graft.last_tree
     out["chains"] = chains
+    # a fresh pricer (no observation yet) on the same tree and draft levels gives the same chains
+    lv = d.graft._levels[:K]
+    again = ChainPricer(max_depth=K).choose(tree, torch.stack([x[0] for x in lv], 1), torch.stack([x[1] for x in lv], 1),
+                                            torch.zeros(len(chains), dtype=torch.bool), K)
     out["chain_is_tree_path"] = [
-        c == best_chain(tree, K)[0][i, : len(c)].tolist() for i, c in enumerate(chains)]
+        c == again.tokens[i, : int(again.length[i])].tolist() for i, c in enumerate(chains)]
     out["live_after_2"] = d.graft.planner.live_requests()
     out["tracked"] = sorted(d.graft.tracker._reqs)
     runner.input_batch.remove_request("b"); runner.input_batch.condense()

@@ -25,14 +25,30 @@ import numpy as np
 import torch
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import (DraftTree, GraftPlanner, StepOutput, best_chain, spine_tree,
-                                 tree_draft_candidates)
+from graft_spec.chain import ChainPricer   # not (yet) exported by the pipeline door
+from graft_spec.pipeline import DraftTree, GraftPlanner, StepOutput, spine_tree, tree_draft_candidates
+from sglang_patch.metrics import GraftStats   # engine-free: the same graft:* series as SGLang's plugin
 
 from .requests import RequestTracker
 
-__all__ = ["ChainStep"]
+__all__ = ["ChainStep", "prometheus_stats"]
 
 logger = logging.getLogger("vllm.graft")   # child of vLLM's logger: same handler and format
+
+_PROMETHEUS: Optional[GraftStats] = None
+
+
+def prometheus_stats() -> Optional[GraftStats]:
+    """The process's `GraftStats` mirrored to Prometheus (the ``graft:*`` series of
+    sglang_patch/metrics.py, registered once per process in prometheus_client's default registry), or
+    None without prometheus_client. Every `ChainStep` of the process records into it."""
+    global _PROMETHEUS
+    if _PROMETHEUS is None:
+        try:
+            _PROMETHEUS = GraftStats(prometheus=True)
+        except ImportError:
+            return None
+    return _PROMETHEUS
 
 
 class ChainStep:
@@ -50,11 +66,13 @@ class ChainStep:
         self.config = config
         self.planner = GraftPlanner(config, vocab_size, device="cpu")
         self.tracker = RequestTracker(self.planner)
+        self.pricer = ChainPricer(max_depth=config.depth)
         self._levels: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_tree: Optional[DraftTree] = None       # hybrid tree of the last step
         self.last_expected: Optional[torch.Tensor] = None  # float32[B] expected accepted length
-        self._last: Optional[tuple[list, np.ndarray, StepOutput]] = None
+        self._last: Optional[tuple[list, np.ndarray, StepOutput, torch.Tensor, torch.Tensor]] = None
         self._observed = 0
+        self.stats = GraftStats()   # this engine's rounds (host); `prometheus_stats` has the process's
 
     def begin(self) -> None:
         """Start a decode step (drops the previous step's draft levels)."""
@@ -84,10 +102,11 @@ class ChainStep:
         not in this batch counts nothing (its tokens are not known yet)."""
         if self._last is None:
             return
-        rids, old_n, out = self._last
+        rids, old_n, out, chains, sources = self._last
         self._last = None
         row = {rid: i for i, rid in enumerate(req_ids)}
-        width = int(out.depth.max()) + 1 if out.depth.numel() else 1   # accepted + bonus <= deepest + 1
+        # accepted + bonus <= the deepest tree node or chain token + 1 (a chain may run past the tree)
+        width = max(int(out.depth.max()) if out.depth.numel() else 0, chains.shape[1]) + 1
         committed = torch.zeros(len(rids), width, dtype=torch.int64)
         lens = torch.zeros(len(rids), dtype=torch.int64)
         slots = torch.zeros(len(rids), dtype=torch.int64)
@@ -101,12 +120,30 @@ class ChainStep:
             new = token_ids[i, int(old_n[j]):int(num_tokens[i])][:width]
             committed[j, : len(new)] = torch.from_numpy(np.asarray(new, dtype=np.int64))
             lens[j] = len(new)
-        self.planner.observe_committed(out, committed, lens, slots)
+        stats = self.planner.observe_committed(out, committed, lens, slots)
+        self.pricer.observe(committed, lens)
+        self._record(chains, sources, committed, lens, stats)
         for j, rid in enumerate(rids):
             self.tracker.advance(rid, int(lens[j]))
         self._observed += 1
         if self.log_every and self._observed % self.log_every == 0:
             self.log_sources()
+
+    def _record(self, chains: torch.Tensor, sources: torch.Tensor, committed: torch.Tensor, lens: torch.Tensor,
+                stats) -> None:
+        """Per-source accepted tokens of the verified chains (a chain token is accepted while it equals
+        the committed token; the first difference is the target's bonus) and the round's calibration
+        counts, into `stats` and the process's Prometheus series."""
+        k = chains.shape[1]
+        width = min(k, committed.shape[1])
+        same = (chains[:, :width] == committed[:, :width]) & (chains[:, :width] >= 0)
+        same &= torch.arange(width)[None, :] < lens[:, None]
+        accepted = torch.cummin(same.to(torch.int64), dim=1).values.sum(1) if width else torch.zeros_like(lens)
+        rows = [sources[j, : int(accepted[j])].tolist() for j in range(len(lens)) if int(lens[j]) > 0]
+        members, depths = stats.members.tolist(), stats.depths.tolist()
+        for sink in (self.stats, prometheus_stats()):
+            if sink is not None:
+                sink.record_round(rows, members, depths)
 
     def log_sources(self) -> dict:
         """Log (logger ``vllm.graft``, INFO, beside vLLM's own SpecDecoding metrics line) and return the
@@ -156,9 +193,9 @@ class ChainStep:
         # the tracker fed every committed token (root included) to the host sources: no lag
         out = self.planner.build_chains(tree_draft_candidates(draft), draft.tokens[:, 0], host,
                                         torch.from_numpy(slots), torch.from_numpy(n_tok) - 1, flags, max_len)
-        tokens, length, expected = best_chain(out.tree, max_len)
+        tokens, length, expected, sources = self.pricer.choose(out.tree, logp, ids, flags, max_len)
         self.last_tree, self.last_expected = out.tree, expected
-        self._last = (list(req_ids), n_tok.copy(), out)
+        self._last = (list(req_ids), n_tok.copy(), out, tokens, sources)
         return [row[:n].tolist() for row, n in zip(tokens, length.tolist())]
 
     def _refill_stale(self, req_ids: Sequence[str], token_ids: np.ndarray, n_tok: np.ndarray,
