@@ -1,19 +1,22 @@
 #!/usr/bin/env python
 """Build the small real models graft-spec tests, quickstart and benchmarks run on.
 
-    python scripts/make_models.py [--quick | --preset quick|default|gpu] [--out DIR] [--device cpu]
+    python scripts/make_models.py [--quick | --preset quick|default|gpu|moe-quick] [--out DIR] [--device cpu]
         [--seed N] [--threads N] [--compile] [--stages tokenizer,data,...]
 
 Writes, under ``--out`` (default ``models/quick``; ``models/default``, the shipped pair, for ``gpu``;
 ``models/default-cpu`` for the CPU ``default`` preset):
 
-* ``target/``  a ``Qwen3ForCausalLM`` checkpoint (safetensors, float32, tokenizer, chat template)
+* ``target/``  a ``Qwen3ForCausalLM`` checkpoint (safetensors, float32, tokenizer, chat template);
+  ``Qwen3MoeForCausalLM`` (8 experts, top-2) for ``moe-quick``, into ``models/moe-quick``
 * ``draft/``   its EAGLE-3 head (``LlamaForCausalLMEagle3`` layout, as public EAGLE-3 heads)
 * ``metrics.json`` held-out loss/perplexity, draft agreement, simulated accept length, timings
 * ``DONE``     written last; its presence means every file above is complete.
 
 Stages (tokenizer, data, target, draft, eval) are resumable: a stage whose marker in ``.stages/``
-matches the current settings (and its upstream stages) is skipped. ``--stages`` runs only the named
+matches the current settings (and its upstream stages) is skipped; a preset that shares another's
+tokenizer and data (``moe-quick`` shares ``quick``'s) copies them from ``models/<that preset>`` when
+they are built there with the same settings. ``--stages`` runs only the named
 stages and takes the others' outputs as they are (e.g. corpus stages on a machine with the registry,
 training stages on a GPU machine with the ``data/`` and ``tokenizer/`` folders copied over). On CUDA
 the forward passes run under bf16 autocast (float32 weights and optimiser). See docs/models.md.
@@ -82,9 +85,12 @@ class Builder:
             "draft": ("draft",),
             "eval": ("eval_tokens", "eval_seq_len", "greedy_prompts", "greedy_prompt_len", "greedy_new_tokens"),
         }[stage]
+        part = {k: spec[k] for k in relevant}
+        if stage == "target" and part["target"].get("moe") is None:  # dense: same fingerprint as before MoE
+            part["target"] = {k: v for k, v in part["target"].items() if k != "moe"}
         parts = {
             "stage": stage,
-            "spec": {k: spec[k] for k in relevant},
+            "spec": part,
             "seed": self.seed,
             "format": 1,
         }
@@ -144,10 +150,32 @@ class Builder:
             self._corpus = corpus_mod.load_corpus(self.spec.max_train_chars, packages=self.spec.packages)
         return self._corpus
 
+    def adopt_shared(self, stage: str, name: str) -> dict | None:
+        """Copy ``stage``'s output folder ``name`` and marker from the preset this one shares
+        (``spec.shares``, built in the sibling folder of that name) when its marker there carries
+        this build's fingerprint; the marker's bytes are kept, so downstream fingerprints match
+        too. Returns the adopted marker, or None (nothing shared, or built differently there)."""
+        if not self.spec.shares or stage not in self.stages:
+            return None
+        src = self.out.parent / self.spec.shares
+        marker = src / ".stages" / f"{stage}.json"
+        if not (marker.exists() and (src / name).is_dir()):
+            return None
+        data = json.loads(marker.read_text())
+        if data.get("fingerprint") != self.fingerprint(stage):
+            return None
+        tmp = self.staging(name)
+        for f in (src / name).iterdir():
+            shutil.copy2(f, tmp / f.name)
+        self.publish(tmp, name)
+        shutil.copy2(marker, self.markers / f"{stage}.json")
+        tqdm.write(f"{stage}: shared with {src}")
+        return data
+
     # -- stages -----------------------------------------------------------------------------------
     def stage_tokenizer(self) -> dict:
         tok_dir = self.out / "tokenizer"
-        marker = self.done("tokenizer", [tok_dir / "tokenizer.json"])
+        marker = self.done("tokenizer", [tok_dir / "tokenizer.json"]) or self.adopt_shared("tokenizer", "tokenizer")
         if marker:
             return marker
         t0 = time.perf_counter()
@@ -167,7 +195,7 @@ class Builder:
 
     def stage_data(self) -> dict:
         d = self.out / "data"
-        marker = self.done("data", [d / "train.npy", d / "eval.npy"])
+        marker = self.done("data", [d / "train.npy", d / "eval.npy"]) or self.adopt_shared("data", "data")
         if marker:
             return marker
         t0 = time.perf_counter()
@@ -201,7 +229,8 @@ class Builder:
         spec = self.spec.target
         model = init_model(build_config(spec, tok.get_vocab_size(), ids), self.seed).to(self.device)
         n_params = sum(p.numel() for p in model.parameters())
-        tqdm.write(f"target: {n_params / 1e6:.2f}M parameters, {spec.steps} steps of "
+        kind = "" if spec.moe is None else f" MoE ({spec.moe.num_experts} experts, top-{spec.moe.num_experts_per_tok})"
+        tqdm.write(f"target{kind}: {n_params / 1e6:.2f}M parameters, {spec.steps} steps of "
                    f"{spec.batch_size}x{spec.seq_len} tokens ({spec.steps * spec.batch_size * spec.seq_len / 1e6:.0f}M "
                    f"tokens, {spec.steps * spec.batch_size * spec.seq_len / max(1, train.size):.1f} epochs)")
         stats = train_target(model, spec, train, self.seed, self.compile, device=self.device)

@@ -10,8 +10,20 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """Sparse MLP of a Qwen3-MoE target (``Qwen3MoeForCausalLM``): every decoder layer routes each
+    token to ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True  # Qwen3-30B-A3B / 235B-A22B renormalise the top-k weights
+    router_aux_loss_coef: float = 0.001
+
+
+@dataclass(frozen=True)
 class TargetSpec:
-    """Qwen3 target shape and its next-token training schedule."""
+    """Qwen3 target shape and its next-token training schedule (``moe`` set: a Qwen3-MoE target)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -29,6 +41,7 @@ class TargetSpec:
     rms_norm_eps: float = 1e-6
     weight_decay: float = 0.1
     warmup_frac: float = 0.05
+    moe: MoeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,9 @@ class SizeSpec:
     greedy_new_tokens: int = 64
     packages: str = ""  # PyPI sdists added to training: "" none, "default" PACKAGES, "wide" WIDE_PACKAGES
     eval_seq_len: int | None = None  # held-out window length (None: target.seq_len)
+    #: another preset whose tokenizer and data stages this one shares: when ``models/<shares>`` holds
+    #: them built with the same settings they are copied instead of rebuilt (same files either way)
+    shares: str | None = None
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -178,4 +194,43 @@ GPU = SizeSpec(
     eval_seq_len=256,
 )
 
-PRESETS = {"quick": QUICK, "default": DEFAULT, "gpu": GPU}
+#: The MoE test pair (``models/moe-quick``): a 4-layer Qwen3-MoE target (8 experts, top-2 routing) with
+#: the quick pair's tokenizer and corpus (copied from ``models/quick`` when built there), and its
+#: EAGLE-3 head. Sized for CPU tests of the MoE forward, expert routing and TP/EP serving (a few
+#: minutes on 2 cores), not for acceptance.
+MOE_QUICK = SizeSpec(
+    name="moe-quick",
+    max_train_chars=QUICK.max_train_chars,
+    tokenizer_chars=QUICK.tokenizer_chars,
+    vocab_size=QUICK.vocab_size,
+    target=TargetSpec(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,  # unused by the sparse layers; kept for config readers
+        seq_len=128,
+        batch_size=8,
+        steps=300,
+        lr=1e-2,
+        moe=MoeSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96),
+    ),
+    draft=DraftSpec(
+        draft_vocab_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        ttt_steps=3,
+        seq_len=128,
+        batch_size=8,
+        steps=150,
+        lr=5e-3,
+    ),
+    eval_tokens=8_192,
+    greedy_prompts=8,
+    shares="quick",
+)
+
+PRESETS = {"quick": QUICK, "default": DEFAULT, "gpu": GPU, "moe-quick": MOE_QUICK}

@@ -1,8 +1,9 @@
-"""The target model: a Hugging Face ``Qwen3ForCausalLM`` trained as a next-token LM on the corpus.
+"""The target model: a Hugging Face ``Qwen3ForCausalLM`` (or, for a preset with ``moe``, a
+``Qwen3MoeForCausalLM``) trained as a next-token LM on the corpus.
 
 Saved with ``save_pretrained`` (safetensors, float32) plus tokenizer files and
 ``generation_config.json``, which is the directory layout SGLang's ``--model-path`` loads
-(``srt/models/qwen3.py`` ``Qwen3ForCausalLM``).
+(``srt/models/qwen3.py`` ``Qwen3ForCausalLM``, ``srt/models/qwen3_moe.py`` ``Qwen3MoeForCausalLM``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM, GenerationConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from .data import eval_windows, random_windows
 from .device import autocast
@@ -25,13 +29,23 @@ from .sizes import TargetSpec
 from .tokenizer import FILES as TOKENIZER_FILES
 
 
-def build_config(spec: TargetSpec, vocab_size: int, ids: dict[str, int]) -> Qwen3Config:
+def build_config(spec: TargetSpec, vocab_size: int, ids: dict[str, int]) -> Qwen3Config | Qwen3MoeConfig:
     """Qwen3 config for ``spec``: float32, no sliding window, no attention bias.
 
     ``spec.tie_word_embeddings`` False (the presets) gives a separate output matrix, as the
-    larger Qwen3 models have.
+    larger Qwen3 models have. With ``spec.moe`` the config is a ``Qwen3MoeConfig`` whose every
+    decoder layer is sparse (``decoder_sparse_step`` 1, no ``mlp_only_layers``), as in Qwen3-235B-A22B.
     """
-    return Qwen3Config(
+    if spec.moe is None:
+        cls, extra = Qwen3Config, {"architectures": ["Qwen3ForCausalLM"]}
+    else:
+        cls = Qwen3MoeConfig
+        extra = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": spec.moe.num_experts,
+                 "num_experts_per_tok": spec.moe.num_experts_per_tok,
+                 "moe_intermediate_size": spec.moe.moe_intermediate_size, "norm_topk_prob": spec.moe.norm_topk_prob,
+                 "router_aux_loss_coef": spec.moe.router_aux_loss_coef, "decoder_sparse_step": 1,
+                 "mlp_only_layers": []}
+    return cls(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -49,15 +63,16 @@ def build_config(spec: TargetSpec, vocab_size: int, ids: dict[str, int]) -> Qwen
         eos_token_id=ids["im_end"],
         pad_token_id=ids["endoftext"],
         dtype="float32",
-        architectures=["Qwen3ForCausalLM"],
+        **extra,
     )
 
 
-def init_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
-    """A freshly initialised float32 model (HF init, std 0.02), seeded."""
+def init_model(config: Qwen3Config | Qwen3MoeConfig, seed: int) -> PreTrainedModel:
+    """A freshly initialised float32 model (HF init, std 0.02), seeded: ``Qwen3ForCausalLM``, or
+    ``Qwen3MoeForCausalLM`` for a ``Qwen3MoeConfig``."""
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float()
-    return model
+    cls = Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
+    return cls(config).float()
 
 
 def train_target(
@@ -148,9 +163,9 @@ def save_target(model: Qwen3ForCausalLM, out_dir: Path, tokenizer_dir: Path, ids
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def load_target(path: Path) -> Qwen3ForCausalLM:
-    """Load a saved target in float32, eval mode."""
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load_target(path: Path) -> PreTrainedModel:
+    """Load a saved target (dense or MoE, by its config's architecture) in float32, eval mode."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def timed(fn, *args, **kwargs):
