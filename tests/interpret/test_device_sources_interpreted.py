@@ -1,0 +1,76 @@
+"""The fused device retrieval candidates (graft_spec/kernels/successor_part.py, chain_part.py) against
+their torch references, bit for bit, run by Triton's interpreter.
+
+Collected in the main test run, these tests skip unless ``TRITON_INTERPRET=1`` was set before
+Triton was imported; tests/test_kernels_device_sources.py runs this file in a subprocess with it set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 before Triton is imported "
+                                       "(tests/test_kernels_device_sources.py)")
+
+NUM_MEMBERS = 7
+
+
+def _assert_same(fused, ref) -> None:
+    assert len(fused) == len(ref) == 6
+    for i, (a, r) in enumerate(zip(fused, ref)):
+        assert a.dtype == r.dtype and a.shape == r.shape, i
+        assert torch.equal(a, r), i
+
+
+def _factors(b: int, g: torch.Generator, identity: bool):
+    if identity:
+        return torch.ones(b, NUM_MEMBERS), torch.zeros(b, NUM_MEMBERS, dtype=torch.bool)
+    scale = torch.rand(b, NUM_MEMBERS, generator=g) * 0.9 + 0.1
+    scale[torch.rand(b, NUM_MEMBERS, generator=g) < 0.3] = 1.0
+    return scale, torch.rand(b, NUM_MEMBERS, generator=g) < 0.5
+
+
+# ----------------------------------------------------------------------------- successor part
+
+@st.composite
+def successor_cases(draw):
+    return (draw(st.sampled_from([1, 16, 64])), draw(st.sampled_from([(8, 8, 64), (4, 3, 11), (2, 8, 24)])),
+            draw(st.sampled_from([(1, None), (3, None), (4, 13)])), draw(st.sampled_from(["random", "empty", "full"])),
+            draw(st.booleans()), draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@settings(max_examples=8, deadline=None)
+@given(case=successor_cases())
+def test_successor_part_kernel_equals_reference(case):
+    from graft_spec.kernels.successor_part import successor_part_reference, successor_part_triton
+    from graft_spec.retrieval.successor import SuccessorTable
+
+    b, (k, max_depth, size), (groups, rows), fill, identity, seed = case
+    g = torch.Generator().manual_seed(seed)
+    vocab = 40
+    succ = SuccessorTable(vocab, k=k, max_depth=max_depth, size=size, groups=groups, rows=rows)
+    r = succ.rows
+    view = succ.table.view(groups, r + 2, k)
+    if fill != "empty":   # tokens in [-1, vocab + 3): empty entries and out-of-vocabulary ones too
+        vals = torch.randint(-1 if fill == "random" else 0, vocab + 3, (groups, r, k), generator=g)
+        vals[torch.rand(groups, r, k, generator=g) < (0.3 if fill == "random" else 0.0)] = -1
+        view[:, :r] = vals.to(torch.int32)
+    roots = torch.randint(-2, vocab + 2, (b,), generator=g)
+    grp = torch.randint(0, groups, (b,), generator=g)
+    sampled = torch.rand(b, generator=g) < 0.5
+    t = succ.size
+    offset, per_mode = 17, 17 + t + 9
+    est_table = torch.rand(2 * per_mode + 1, generator=g)
+    scale, under = _factors(b, g, identity)
+    args = (roots, grp, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, est_table, scale, under,
+            r, vocab, int(succ.t_depth.max()), offset, per_mode)
+    ref = successor_part_reference(*args)
+    _assert_same(successor_part_triton(*args), ref)
+    if fill == "empty":
+        assert not ref[3].any()

@@ -1,0 +1,110 @@
+"""The fused device retrieval candidates (graft_spec/kernels/successor_part.py, chain_part.py): each
+reference equals the step's current part on a warmed planner (and the identity correction prices as
+none), each op is one op to the dispatcher, and the kernels equal their references under Triton's
+interpreter (in a subprocess: tests/interpret/test_device_sources_interpreted.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graft_spec.config import GraftConfig
+from graft_spec.pipeline import GraftPlanner
+from graft_spec.sources import SOURCE_SUCCESSOR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_source_kernels_equal_their_references_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(ROOT / "tests" / "interpret" / "test_device_sources_interpreted.py")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
+
+
+def _warm_planner(seed: int, b: int = 4, outputs: str = "greedy"):
+    """A planner after six observed rounds (calibrator, successor table, history and per-request
+    windows warmed; as tests/test_core_step.py `test_build_reuses_the_gate_retrieval`), with an output
+    index holding earlier answers to the rows' contexts, and one more round's inputs."""
+    from test_core_step import dense_inputs
+
+    topk, steps, n, vocab = 3, 4, 12, 32
+    cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, retrieval={"max_candidates": 16, "outputs": outputs})
+    planner = GraftPlanner(cfg, vocab, max_slots=b)
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.arange(b)
+    ctx = torch.randint(0, 6, (b, 40), generator=gen)
+    planner.reset_slots(slots, ctx, torch.full((b,), 40))
+    if planner.outputs is not None:
+        for row in ctx.tolist():
+            planner.outputs.insert(row[-10:] + [int(t) for t in torch.randint(0, vocab, (12,), generator=gen)])
+    for _ in range(6):
+        draft, roots, host, _, seq, sampled = dense_inputs(b, topk, steps, vocab, 16, "cpu", gen)
+        out = planner.build(draft, roots, host, slots, seq, sampled)
+        on_path = torch.zeros(b, n, dtype=torch.bool)
+        on_path[:, 0] = True
+        on_path[:, 1] = torch.rand(b, generator=gen) < 0.5
+        planner.observe(out, on_path, torch.randint(0, vocab, (b, n, planner.successor.k), generator=gen),
+                        out.tree.tokens[:, :3], 1 + on_path[:, 1].long(), slots)
+    draft, roots, host, _, seq, sampled = dense_inputs(b, topk, steps, vocab, 16, "cpu", gen)
+    return planner, roots, host, slots, sampled
+
+
+def _flat(c):
+    return c.tokens, c.parents, c.est, c.valid, c.bins, c.member
+
+
+def _assert_same(a, r):
+    for x, y in zip(a, r, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+def _successor_args(planner, roots, groups, sampled, factors):
+    succ, cal = planner.successor, planner.calibrator
+    scale, under = factors
+    return (roots, groups, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, cal.table, scale, under,
+            succ.rows, succ.vocab_size, int(succ.t_depth.max()), cal.layout.offset(SOURCE_SUCCESSOR),
+            cal.layout.per_mode)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_successor_reference_equals_the_step(seed):
+    """`successor_part_reference` = `GraftStep._successor_part` on a warmed planner, with the rows'
+    per-request correction and without it (the identity factors price exactly as ``factors=None``)."""
+    from graft_spec.kernels.successor_part import successor_part_reference
+
+    planner, roots, host, slots, sampled = _warm_planner(seed)
+    factors = planner._factors(slots)
+    assert factors is not None and (factors[0] != 1).any()          # a real correction is exercised
+    b = roots.shape[0]
+    for given, passed in ((factors, factors), (None, planner.calibrator.identity(b))):
+        step = _flat(planner.step._successor_part(roots, host.group, sampled, planner.calibrator.table, given))
+        assert step[3].any()
+        _assert_same(successor_part_reference(*_successor_args(planner, roots, host.group, sampled, passed)), step)
+
+
+def test_successor_part_is_one_op_inside_fused_ops_everywhere():
+    from graft_spec.kernels import fused_ops_everywhere
+    from graft_spec.kernels.successor_part import successor_part, successor_part_reference
+    from sglang_patch.bench.step import OpCounter
+
+    planner, roots, host, slots, sampled = _warm_planner(0)
+    args = _successor_args(planner, roots, host.group, sampled, planner._factors(slots))
+    ref = successor_part_reference(*args)
+    with fused_ops_everywhere(), OpCounter() as c:
+        fused = successor_part(*args)
+    assert c.ops == 1 and c.names == {"successor_part": 1}
+    _assert_same(fused, ref)
+    with OpCounter() as c:
+        successor_part(*args)
+    assert c.ops > 1                                    # CPU: the reference's own ops
