@@ -4,7 +4,8 @@ Runs vLLM's offline engine (``vllm.LLM``) once per method (one child process eac
 set x mode (greedy / sampled) x batch size, generates the prompts and reads vLLM's own
 spec-decode counters (``LLM.get_metrics``: ``vllm:spec_decode_num_drafts``,
 ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``;
-v1/spec_decode/metrics.py). Mean accepted length = 1 + accepted / drafts (vLLM's own definition,
+v1/spec_decode/metrics.py) and, for graft, its per-source ``graft:accepted_tokens_total`` from the
+same Prometheus registry (``graft_accepted_by_source`` in each row). Mean accepted length = 1 + accepted / drafts (vLLM's own definition,
 bonus token included; steps where a method proposed nothing are not counted, so ngram's tau is
 per matched step); tokens / step = generated tokens / (generated - accepted), every request step
 counted (each yields 1 + its accepted tokens), comparable across methods; tokens/s = generated
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["load_prompt_set", "run_method", "fix_cpu_expand", "main"]
+__all__ = ["load_prompt_set", "run_method", "fix_cpu_expand", "graft_accepted_by_source", "main"]
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 _COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -83,8 +84,26 @@ def speculative_config(method: str, draft: str, k: int, graft_config: Optional[s
     return spec
 
 
+def graft_accepted_by_source() -> dict[str, int]:
+    """This process's ``graft:accepted_tokens_total`` by ``source`` label (draft, successor, suffix, ...,
+    bonus), read from prometheus_client's default registry, where the graft proposer's series live
+    (`vllm_worker.step.prometheus_stats`); {} before any graft round or without prometheus_client."""
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return {}
+    out: dict[str, int] = {}
+    for metric in REGISTRY.collect():
+        if metric.name == "graft:accepted_tokens":
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["source"]] = int(s.value)
+    return out
+
+
 def _spec_counters(llm) -> dict[str, Any]:
-    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [],
+                           "graft_accepted_by_source": graft_accepted_by_source()}
     for m in llm.get_metrics():
         if m.name in _COUNTERS:
             out[_COUNTERS[m.name]] += int(m.value)
@@ -97,6 +116,8 @@ def _delta(after: dict, before: dict) -> dict:
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     pb = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
     d["per_pos"] = [a - b for a, b in zip(after["per_pos"], pb)]
+    gb = before["graft_accepted_by_source"]
+    d["graft_accepted_by_source"] = {k: v - gb.get(k, 0) for k, v in after["graft_accepted_by_source"].items()}
     return d
 
 
@@ -156,7 +177,7 @@ def run_method(method: str, args: argparse.Namespace, sets: list[tuple[str, list
         for mode in args.modes:
             for batch in args.batches:
                 params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                                         **({"temperature": 0} if mode == "greedy" else {**SAMPLED, "seed": i}))
+                                         **({"temperature": 0} if mode == "greedy" else {**SAMPLED, "seed": args.seed + i}))
                           for i in range(len(texts))]
                 before = _spec_counters(llm)
                 outs, secs, calls, last = [], 0.0, [], before
@@ -220,6 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
     p.add_argument("--batches", nargs="+", type=int, default=[1])
+    p.add_argument("--seed", type=int, default=0, help="sampled mode: prompt i uses seed SEED + i")
     p.add_argument("--graft-config", default=None, help="graft_config: a JSON/YAML file or inline JSON")
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=5)
