@@ -1,0 +1,281 @@
+"""The host proposals' candidates of a round in one kernel: re-anchoring, calibration bins, price.
+
+Reference: `host_part_reference`, the torch code of ``GraftStep._host_part`` (graft_spec/step.py:
+`reanchor`, ``Calibrator.retrieval_bins`` and ``RequestCorrection.price``, ~60 small ops over
+``[B, M]`` candidates) as a function of tensors and ints. Fused: `_host_part_kernel`, one Triton
+program per request holding the row's M candidates as vectors:
+
+- the reference's pointer jumping visits positions 0 .. 2**R - 1 of every root path (R =
+  ``pointer_rounds(M + 2)``, 2**R >= M + 2); the kernel walks positions 0 .. M, which reach the
+  anchor on every acyclic path and visit every node of a cyclic one (a buffer row nothing was written
+  to keeps parent 0 at column 0), so the depth (the number of real nodes, 2**R - 1 on a cycle) and the
+  path minima (order-free: only ``min`` and NaN propagation) are the reference's;
+- each node's own consumed flag, match and consumed log-probability go to a scratch row, the program
+  syncs, and the second walk reduces them along the path;
+- the bins bucket by counting edges (``torch.bucketize`` on sorted edges), the estimate is read at
+  the bin and priced with the reference's three float32 roundings (launched without FMA contraction).
+
+Every output is an integer, a boolean or the same float32 operations in the same order, so the two
+agree bit for bit. The op ``graft::host_part`` returns the four computed tensors (an op may not
+return its inputs; the tokens and members pass through); its CPU implementation is the reference and
+its CUDA implementation the kernel. `host_part` dispatches like `tree_layout` (layout.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sources import SOURCE_OUTPUTS, SOURCE_SUFFIX
+from ..tree import node_depths, path_min, pointer_jumps, pointer_rounds
+from .layout import _EVERYWHERE, fused_enabled, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["host_part", "host_part_reference", "host_part_triton"]
+
+
+def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
+                        member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
+                        seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
+                        under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
+                        depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host proposals re-anchored at the device's root and priced: ``GraftStep._host_part``
+    (graft_spec/step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and ``GraftStep._price``).
+
+    Args:
+        tokens, parents, logp, match, member: the `HostCandidates` fields, ``[B, M]``: ``int64``
+            tokens; ``int64`` parents (< 0 = child of the anchor, else an index < M; parent < own
+            index in a written row); ``float32`` path log-probabilities; ``int64`` match lengths;
+            ``int64`` members (-1 = empty).
+        anchor_len: ``int64[B]`` context tokens the host had seen.
+        hist, count: ``int64[B, L]`` (L >= 1) / ``int64[B]`` the slots' right-aligned token windows,
+            ending with the root (history.py).
+        seq_lens: ``int64[B]`` committed tokens before the root.
+        sampled: ``bool[B]`` rows verified by sampling.
+        est_table: ``float32[S + 1]`` the estimate table (``Calibrator.table``).
+        scale, under: ``float32[B, NUM_MEMBERS]`` / ``bool[B, NUM_MEMBERS]`` the rows' per-request
+            correction (``RequestCorrection.factors``); ones / False give exactly the estimates of no
+            correction (``x * 1.0 == x``).
+        retrieval_base: ``int64[NUM_MEMBERS]`` first bin of each retrieval member's block
+            (``Calibrator._retrieval_base``).
+        logp_edges: ``float32[Q - 1]`` ascending (``Calibrator.logp_edges``); depth_edges:
+            ``int64[D - 1]``; match_edges: ``int64[K - 1]`` (``Calibrator.depth_edges`` /
+            ``match_edges``).
+        per_mode: bins of one mode (``BinLayout.per_mode``): the sampled rows' offset.
+    Returns:
+        ``(tokens, parents, est, valid, bins, member)`` all ``[B, M]``: the input tokens; ``int64``
+        parents under the new root (-1 = child of the root); ``float32`` estimates (0 where invalid);
+        ``bool`` valid; ``int64`` calibration bins (-1 where invalid); the input members.
+    """
+    from ..calibration import apply_correction
+
+    b, m = tokens.shape
+    dev = tokens.device
+    length = hist.shape[1]
+    par = parents
+    # `reanchor`
+    full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
+    jumps = pointer_jumps(full)
+    depth = node_depths(full, jumps)[:, 1:]                                    # 1-based below the anchor
+    gap = seq_lens.to(torch.int64) + 1 - anchor_len
+    ok_gap = (gap >= 0) & (gap <= count) & (gap <= length)
+    src = (length - gap)[:, None] + depth - 1                                  # history index of depth d
+    want = hist.gather(1, src.clamp(0, length - 1))
+    consumed = depth <= gap[:, None]
+    match_here = torch.where(consumed, tokens == want, True)
+    inf = torch.full((), math.inf, device=dev)
+    lead = torch.stack([torch.ones(b, 1, device=dev), inf.expand(b, 1)])
+    ok_base = path_min(torch.cat([lead, torch.stack([match_here.float(),
+                                                     torch.where(consumed, logp.float(), inf)])], 2), full, jumps)
+    path_ok, base = ok_base[0, :, 1:] > 0.5, ok_base[1, :, 1:]
+    valid = (member >= 0) & path_ok & ~consumed & ok_gap[:, None]
+    par_depth = depth.gather(1, par.clamp(min=0))
+    new_par = torch.where((par >= 0) & (par_depth > gap[:, None]), par, -1)
+    lp = (logp - torch.where(torch.isinf(base), 0.0, base)).clamp(max=0.0)
+    rel_depth = depth - gap[:, None]
+    rel_match = match + gap[:, None]
+    # `Calibrator.retrieval_bins(member, rel_depth.clamp(min=1), lp, rel_match, sampled)`
+    nq, nd, nm = logp_edges.numel() + 1, depth_edges.numel() + 1, match_edges.numel() + 1
+    x = torch.nan_to_num(lp.float(), nan=-math.inf)
+    q_bin = (nq - 1 - torch.bucketize(x.contiguous(), logp_edges, right=True)).clamp(0, nq - 1)
+    d_bin = torch.bucketize(rel_depth.clamp(min=1).contiguous(), depth_edges, right=False).clamp(max=nd - 1)
+    m_bin = torch.bucketize(rel_match.clamp(min=1).contiguous(), match_edges, right=False).clamp(max=nm - 1)
+    within = (d_bin * nq + q_bin) * nm + m_bin
+    bins = (retrieval_base[member.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)] + within
+            + (sampled.to(torch.int64) * per_mode)[:, None])
+    # `GraftStep._price` -> `RequestCorrection.price`
+    mc = member.clamp(0, scale.shape[1] - 1)
+    est = torch.where(valid, apply_correction(est_table[bins], scale.gather(1, mc), under.gather(1, mc)), 0.0)
+    return tokens, new_par, est, valid, torch.where(valid, bins, -1), member
+
+
+if triton is not None:
+    _LO = tl.constexpr(SOURCE_SUFFIX)
+    _HI = tl.constexpr(SOURCE_OUTPUTS)
+
+    @triton.jit
+    def _edge_count(x, edges_ptr, n: tl.constexpr, BE: tl.constexpr, OR_EQUAL: tl.constexpr):
+        """Per lane of ``x``: the edges < x (``<=`` with ``OR_EQUAL``) among the first ``n``."""
+        e = tl.arange(0, BE)
+        edge = tl.load(edges_ptr + e, mask=e < n)
+        if OR_EQUAL:
+            below = edge[None, :] <= x[:, None]
+        else:
+            below = edge[None, :] < x[:, None]
+        return tl.sum((below & (e[None, :] < n)).to(tl.int64), axis=1)
+
+    @triton.jit
+    def _host_part_kernel(tok_ptr, par_ptr, logp_ptr, match_ptr, member_ptr, anchor_ptr, hist_ptr, count_ptr,
+                          seq_ptr, sampled_ptr, table_ptr, scale_ptr, under_ptr, rbase_ptr, qedge_ptr, dedge_ptr,
+                          medge_ptr, depth_ptr, flag_ptr, clogp_ptr, par_out, est_out, valid_out, bins_out,
+                          per_mode, M: tl.constexpr, L: tl.constexpr, NM: tl.constexpr, NQE: tl.constexpr,
+                          NDE: tl.constexpr, NME: tl.constexpr, CYCLE_DEPTH: tl.constexpr, BM: tl.constexpr,
+                          BE: tl.constexpr):
+        """One request per program: its ``BM`` >= M candidates as lanes."""
+        b = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BM)
+        live = i < M
+        row = b * M
+        par = tl.load(par_ptr + row + i, mask=live, other=-1)
+        # walk 1: real nodes at positions 0 .. M of every path (M + 1 of them: a cycle)
+        cnt = live.to(tl.int64)
+        cur = par
+        for _ in range(M):
+            up = cur >= 0
+            cnt += up.to(tl.int64)
+            cur = tl.load(par_ptr + row + tl.where(up, cur, 0), mask=up, other=-1)
+        depth = tl.where(cnt > M, CYCLE_DEPTH, cnt)
+        gap = tl.load(seq_ptr + b) + 1 - tl.load(anchor_ptr + b)
+        ok_gap = (gap >= 0) & (gap <= tl.load(count_ptr + b)) & (gap <= L)
+        consumed = depth <= gap
+        src = tl.minimum(tl.maximum(L - gap + depth - 1, 0), L - 1)
+        want = tl.load(hist_ptr + b * L + src, mask=live & consumed, other=0)
+        tok = tl.load(tok_ptr + row + i, mask=live, other=0)
+        own = tl.where(consumed, tok == want, True)
+        lp_own = tl.load(logp_ptr + row + i, mask=live, other=0.0)
+        clogp = tl.where(consumed, lp_own, float("inf"))
+        tl.store(depth_ptr + row + i, depth, mask=live)
+        tl.store(flag_ptr + row + i, own.to(tl.int8), mask=live)
+        tl.store(clogp_ptr + row + i, clogp, mask=live)
+        tl.debug_barrier()
+        # walk 2: every consumed node on the path matched; the minimum consumed log-probability
+        ok = own
+        base = clogp
+        cur = par
+        for _ in range(M):
+            up = cur >= 0
+            safe = tl.where(up, cur, 0)
+            ok = ok & (tl.load(flag_ptr + row + safe, mask=up, other=1) != 0)
+            v = tl.load(clogp_ptr + row + safe, mask=up, other=float("inf"))
+            base = tl.where((v != v) | (v < base), v, base)                 # torch.minimum: NaN wins
+            cur = tl.load(par_ptr + row + safe, mask=up, other=-1)
+        member = tl.load(member_ptr + row + i, mask=live, other=-1)
+        valid = (member >= 0) & ok & (~consumed) & ok_gap & live
+        par_depth = tl.load(depth_ptr + row + tl.maximum(par, 0), mask=live, other=0)
+        new_par = tl.where((par >= 0) & (par_depth > gap), par, -1)
+        base = tl.where((base == float("inf")) | (base == -float("inf")), 0.0, base)
+        lp = lp_own - base
+        lp = tl.where(lp > 0.0, 0.0, lp)                                     # clamp(max=0), NaN kept
+        # bins: ((depth bin * Q + q bin) * K + match bin) + member block + mode
+        q_bin = NQE - _edge_count(lp, qedge_ptr, NQE, BE, True)             # NaN: no edge <= it, last bin
+        q_bin = tl.minimum(tl.maximum(q_bin, 0), NQE)
+        d_bin = tl.minimum(_edge_count(tl.maximum(depth - gap, 1), dedge_ptr, NDE, BE, False), NDE)
+        m_bin = tl.minimum(_edge_count(tl.maximum(tl.load(match_ptr + row + i, mask=live, other=0) + gap, 1),
+                                       medge_ptr, NME, BE, False), NME)
+        within = (d_bin * (NQE + 1) + q_bin) * (NME + 1) + m_bin
+        rbase = tl.load(rbase_ptr + tl.minimum(tl.maximum(member, _LO), _HI))
+        mode = tl.load(sampled_ptr + b).to(tl.int64) * per_mode
+        bins = rbase + within + mode
+        # price: est * scale, or 1 - (1 - est) * scale where under
+        e = tl.load(table_ptr + bins, mask=valid, other=0.0)
+        mc = tl.minimum(tl.maximum(member, 0), NM - 1)
+        sc = tl.load(scale_ptr + b * NM + mc, mask=live, other=1.0)
+        un = tl.load(under_ptr + b * NM + mc, mask=live, other=0) != 0
+        priced = tl.where(un, 1.0 - (1.0 - e) * sc, e * sc)
+        tl.store(par_out + row + i, new_par, mask=live)
+        tl.store(est_out + row + i, tl.where(valid, priced, 0.0), mask=live)
+        tl.store(valid_out + row + i, valid.to(tl.int8), mask=live)
+        tl.store(bins_out + row + i, tl.where(valid, bins, -1), mask=live)
+
+
+def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table,
+                     scale, under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`host_part_reference`'s computed results ``(parents, est, valid, bins)`` as one Triton launch
+    (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``). Same arguments.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("graft host_part: Triton is not installed")
+    b, m = tokens.shape
+    dev = tokens.device
+    new_par = torch.empty(b, m, dtype=torch.int64, device=dev)
+    est = torch.empty(b, m, dtype=torch.float32, device=dev)
+    valid = torch.empty(b, m, dtype=torch.bool, device=dev)
+    bins = torch.empty(b, m, dtype=torch.int64, device=dev)
+    if b > 0 and m > 0:
+        depth = torch.empty(b, m, dtype=torch.int64, device=dev)
+        flag = torch.empty(b, m, dtype=torch.int8, device=dev)
+        clogp = torch.empty(b, m, dtype=torch.float32, device=dev)
+        length = hist.shape[1]
+        ne = max(logp_edges.numel(), depth_edges.numel(), match_edges.numel(), 2)
+        _host_part_kernel[(b,)](
+            tokens.contiguous().to(torch.int64), parents.contiguous().to(torch.int64), logp.contiguous().float(),
+            match.contiguous().to(torch.int64), member.contiguous().to(torch.int64),
+            anchor_len.contiguous().to(torch.int64), hist.contiguous().to(torch.int64),
+            count.contiguous().to(torch.int64), seq_lens.contiguous().to(torch.int64),
+            sampled.contiguous().to(torch.int8), est_table.contiguous().float(), scale.contiguous().float(),
+            under.contiguous().to(torch.int8), retrieval_base.contiguous().to(torch.int64),
+            logp_edges.contiguous().float(), depth_edges.contiguous().to(torch.int64),
+            match_edges.contiguous().to(torch.int64), depth, flag, clogp, new_par, est, valid.view(torch.int8), bins,
+            int(per_mode), M=m, L=length, NM=scale.shape[1], NQE=logp_edges.numel(), NDE=depth_edges.numel(),
+            NME=match_edges.numel(), CYCLE_DEPTH=2 ** pointer_rounds(m + 2) - 1,
+            BM=triton.next_power_of_2(max(m, 2)), BE=triton.next_power_of_2(ne), enable_fp_fusion=False)
+    return new_par, est, valid, bins
+
+
+@torch.library.custom_op("graft::host_part", mutates_args=())
+def _host_part_op(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
+                  member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
+                  seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
+                  under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
+                  depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = host_part_reference(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled,
+                              est_table, scale, under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
+    return out[1], out[2], out[3], out[4]
+
+
+@_host_part_op.register_fake
+def _(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale, under,
+      retrieval_base, logp_edges, depth_edges, match_edges, per_mode):
+    b, m = tokens.shape
+    return (tokens.new_empty((b, m), dtype=torch.int64), tokens.new_empty((b, m), dtype=torch.float32),
+            tokens.new_empty((b, m), dtype=torch.bool), tokens.new_empty((b, m), dtype=torch.int64))
+
+
+if triton is not None:
+    _host_part_op.register_kernel("cuda")(host_part_triton)
+
+
+def host_part(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
+              member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
+              seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
+              under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor, depth_edges: torch.Tensor,
+              match_edges: torch.Tensor, per_mode: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`host_part_reference`'s contract (same arguments and results): one fused launch
+    (``graft::host_part``) on a CUDA device or inside `fused_ops_everywhere`, the torch reference
+    elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
+    args = (tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale,
+            under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
+    if (tokens.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+        new_par, est, valid, bins = torch.ops.graft.host_part(*args)
+        return tokens, new_par, est, valid, bins, member
+    return host_part_reference(*args)
