@@ -39,6 +39,7 @@ from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
+from .kernels.draft_part import draft_part
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
 from .request_correction import RequestCorrection
@@ -294,48 +295,19 @@ class GraftStep:
     def _draft_part(self, draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor,
                     est_table: torch.Tensor) -> Candidates:
         """The rooted block: the root + the N - 1 best draft candidates (N = the pool), ``[B, N]``."""
-        cal, n = self.calibrator, self.pool
-        b, s = draft.tokens.shape
-        dev = draft.tokens.device
-        drafted = torch.isfinite(draft.logq) & (draft.logq > -60.0)
-        if not self.config.draft_nodes:
-            drafted = torch.zeros_like(drafted)
-        bins = cal.draft_bins(draft.depth, draft.logq, sampled)
-        est = torch.where(drafted, est_table[bins], 0.0)
-        rank_key = draft.logq if self.stages is not None else torch.where(drafted, est, -1.0)
-        full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev),
-                          torch.where(draft.parents < 0, 0, draft.parents + 1)], 1)
-        inf = torch.full((b, 1), math.inf, device=dev)
-        key = path_min(torch.cat([inf, rank_key.float()], 1), full)[:, 1:]
-        k = min(n - 1, s)
-        sel = top_mask(order_key(key), k)                                           # [B, S]
-        rank = torch.cumsum(sel, dim=1)                                             # 1-based tree index
-        dest = torch.where(sel, rank - 1, k)
-        idx = torch.zeros(b, k + 1, dtype=torch.int64, device=dev)
-        idx.scatter_(1, dest, torch.arange(s, device=dev).expand(b, s))
-        idx = idx[:, :k]                                                            # ascending
-        pos = torch.where(sel, rank, -1)
-        gp = draft.parents.gather(1, idx)
-        par = torch.where(gp < 0, 0, pos.gather(1, gp.clamp(min=0)))
-
-        def pick(x, root_value):
-            head = torch.full((b, 1), root_value, dtype=x.dtype, device=dev)
-            return torch.cat([head, x.gather(1, idx)], 1)
-
-        tokens = torch.cat([roots.reshape(b, 1).to(torch.int64), draft.tokens.gather(1, idx)], 1)
-        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1)
-        est_n, valid_n = pick(est, 1.0), pick(drafted, True)
-        bins_n = pick(torch.where(drafted, bins, -1), -1)
+        lay = self.calibrator.layout
+        tokens, parents, est_n, valid_n, bins_n, logq_n = draft_part(
+            draft.tokens, draft.parents, draft.logq, draft.depth, roots, sampled, est_table,
+            self.calibrator.logp_edges, self.pool, lay.draft_depth, lay.num_q, lay.per_mode,
+            self.config.draft_nodes, self.stages is not None)
+        member = torch.full_like(tokens, SOURCE_DRAFT)
         if self.stages is None:
-            key_n = est_n
-        else:  # paper mode: kept draft nodes always in, pruned ones refill after retrieval
-            logq_n = pick(draft.logq.float(), 0.0)
-            tree = DraftTree(tokens, parents, torch.where(valid_n, logq_n, -math.inf),
-                             torch.full_like(tokens, SOURCE_DRAFT))
-            keep = prune(tree, self.stages, n).keep
-            refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
-            key_n = torch.where(keep, math.inf, refill)
-        return Candidates(tokens, parents, est_n, valid_n, bins_n, torch.full_like(tokens, SOURCE_DRAFT), key_n)
+            return Candidates(tokens, parents, est_n, valid_n, bins_n, member)
+        # paper mode: kept draft nodes always in, pruned ones refill after retrieval
+        tree = DraftTree(tokens, parents, torch.where(valid_n, logq_n, -math.inf), member)
+        keep = prune(tree, self.stages, self.pool).keep
+        refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
+        return Candidates(tokens, parents, est_n, valid_n, bins_n, member, torch.where(keep, math.inf, refill))
 
     @staticmethod
     def _price(est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:

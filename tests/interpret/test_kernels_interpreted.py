@@ -75,3 +75,48 @@ def test_tree_layout_kernel_on_merge_select_trees(b, n):
     fused = layout_triton(out.tree.parents, args[4])
     for a, r in zip(fused, layout_reference(out.tree.parents, args[4])):
         assert torch.equal(a, r)
+
+
+def _draft_case(b: int, n: int, seed: int, mode: str):
+    """Draft candidates of the step's shapes: dense EAGLE trees (``dense``), the same with ties
+    (scores rounded to a few values), undrafted (-inf) and NaN entries (``adversarial``)."""
+    from test_core_step import SHAPES, dense_inputs
+
+    topk, steps = SHAPES[n]
+    g = torch.Generator().manual_seed(seed)
+    draft = dense_inputs(b, topk, steps, 500, 4, "cpu", g)[0]
+    if mode == "adversarial":
+        logq = (draft.logq * 2).round() / 2                                    # many equal keys
+        r = torch.rand(logq.shape, generator=g)
+        logq = torch.where(r < 0.1, -float("inf"), torch.where(r > 0.95, float("nan"), logq))
+        logq = torch.where((r > 0.9) & (r <= 0.95), torch.full_like(logq, -70.0), logq)
+        draft.logq = logq
+    return draft, torch.randint(0, 500, (b,), generator=g), torch.rand(b, generator=g) < 0.5
+
+
+@settings(max_examples=10, deadline=None)
+@given(b=st.sampled_from([1, 3, 16]), n=st.sampled_from([24, 60]), seed=st.integers(0, 2 ** 31 - 1),
+       mode=st.sampled_from(["dense", "adversarial"]), by_logq=st.booleans(), draft_nodes=st.booleans())
+def test_draft_part_kernel_equals_reference(b, n, seed, mode, by_logq, draft_nodes):
+    from graft_spec.config import GraftConfig
+    from graft_spec.kernels.draft_part import draft_part_reference, draft_part_triton
+    from graft_spec.pipeline import GraftPlanner
+
+    from test_core_step import SHAPES
+
+    draft, roots, sampled = _draft_case(b, n, seed, mode)
+    topk, steps = SHAPES[n]
+    cal = GraftPlanner(GraftConfig(num_draft_tokens=n, topk=topk, depth=steps), 500).calibrator
+    table = torch.rand(cal.table.shape, generator=torch.Generator().manual_seed(seed))
+    table[::7] = table[::7].round(decimals=1)                                 # equal estimates: ties
+    lay = cal.layout
+    args = (draft.tokens, draft.parents, draft.logq, draft.depth, roots, sampled, table, cal.logp_edges, n,
+            lay.draft_depth, lay.num_q, lay.per_mode, draft_nodes, by_logq)
+    for name, f, r in zip(("tokens", "parents", "est", "valid", "bins", "logq"), draft_part_triton(*args),
+                          draft_part_reference(*args)):
+        assert f.dtype == r.dtype and f.shape == r.shape, name
+        assert torch.equal(f, r) or (name == "logq" and torch.equal(f.nan_to_num(), r.nan_to_num())), name
+
+
+def test_draft_part_kernel_at_batch_64():
+    test_draft_part_kernel_equals_reference.hypothesis.inner_test(64, 60, 7, "adversarial", False, True)

@@ -1,0 +1,237 @@
+"""The draft's rerank in one kernel: a round's N - 1 best draft candidates under the root.
+
+Every draft candidate gets its calibration bin (depth, cumulative draft probability, mode) and its
+estimate from the table; its rank key is the minimum estimate along its path (so every prefix of
+the ranking is ancestor-closed, ties to the lower index); the N - 1 best are kept in index order
+under the round's root (step.py ``GraftStep._draft_part``).
+
+Reference: `draft_part_reference` (torch, ~100 ops). Fused: `_draft_kernel`, one Triton program per
+request: `path_min` by the reference's pointer jumping through a scratch row, the top N - 1 by
+counting the candidates with a larger `tree.order_key` (tiles of the row against chunks of it),
+compaction by a cumulative sum. Minima, counts and gathers are exact, so the two agree bit for
+bit. The op ``graft::draft_part`` has the reference as its CPU implementation and the kernel as its
+CUDA implementation; `draft_part` dispatches like `tree_layout` (layout.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..tree import order_key, path_min, pointer_rounds, top_mask
+from .layout import _EVERYWHERE, fused_enabled, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _order_key(v, lanes):
+        """`tree.order_key` exactly: ``torch.nan_to_num(v, nan=-inf)`` (NaN -> -inf, then +-inf ->
+        the largest / lowest finite float32), larger first, ties to the lower lane."""
+        big = 3.4028234663852886e38
+        v = tl.where(v == float("inf"), big, tl.where(v == float("-inf"), -big, v))
+        v = tl.where(v != v, float("-inf"), v)
+        bits = v.to(tl.int32, bitcast=True).to(tl.int64)
+        mono = tl.where(bits < 0, -2147483648 - bits, bits)
+        return mono * 1048576 + (1048575 - lanes.to(tl.int64))
+
+__all__ = ["draft_part", "draft_part_reference", "draft_part_triton"]
+
+
+def draft_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
+                         roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, edges: torch.Tensor,
+                         pool: int, draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
+                         ) -> tuple[torch.Tensor, ...]:
+    """The rooted draft block of a round.
+
+    Args:
+        tokens, parents, logq, depth: the draft's candidates `DraftCandidates` ``[B, S]`` (parents
+            -1 = child of the root, else an index below the node's own; logq ``float32``).
+        roots: ``int64[B]``; sampled: ``bool[B]`` (the sampled mode's bins).
+        est_table: ``float32[size + 1]`` the calibrator's table; edges: ``float32[Q - 1]`` the
+            probability bins' edges, ascending (`calibration.LOGP_EDGES` reversed).
+        pool: N, the block's width bound (root + N - 1 candidates); draft_depth, num_q, per_mode:
+            the bin layout (`BinLayout`); draft_nodes: False = no candidate is valid.
+        by_logq: rank by ``logq`` (the paper's checkpoints) instead of the estimate.
+    Returns:
+        ``(tokens int64, parents int64, est float32, valid bool, bins int64, logq float32)``, each
+        ``[B, 1 + min(N - 1, S)]``: the root at 0 (parent -1, estimate 1, bin -1, logq 0), then the
+        kept candidates in index order (parents re-pointed; invalid ones estimate 0, bin -1).
+    Source: step.py ``GraftStep._draft_part``; calibration.py ``Calibrator.draft_bins``.
+    """
+    b, s = tokens.shape
+    dev = tokens.device
+    drafted = torch.isfinite(logq) & (logq > -60.0)
+    if not draft_nodes:
+        drafted = torch.zeros_like(drafted)
+    x = torch.nan_to_num(logq.float(), nan=-math.inf).contiguous()
+    q = (edges.numel() - torch.bucketize(x, edges, right=True)).clamp(0, edges.numel())
+    d = (depth.to(torch.int64) - 1).clamp(0, draft_depth - 1)
+    bins = d * num_q + q + sampled.to(torch.int64)[:, None] * per_mode
+    est = torch.where(drafted, est_table[bins], 0.0)
+    rank_key = logq if by_logq else torch.where(drafted, est, -1.0)
+    full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev),
+                      torch.where(parents < 0, 0, parents + 1)], 1)
+    inf = torch.full((b, 1), math.inf, device=dev)
+    key = path_min(torch.cat([inf, rank_key.float()], 1), full)[:, 1:]
+    k = min(pool - 1, s)
+    sel = top_mask(order_key(key), k)                                           # [B, S]
+    rank = torch.cumsum(sel, dim=1)                                             # 1-based tree index
+    dest = torch.where(sel, rank - 1, k)
+    idx = torch.zeros(b, k + 1, dtype=torch.int64, device=dev)
+    idx.scatter_(1, dest, torch.arange(s, device=dev).expand(b, s))
+    idx = idx[:, :k]                                                            # ascending
+    pos = torch.where(sel, rank, -1)
+    gp = parents.gather(1, idx)
+    par = torch.where(gp < 0, 0, pos.gather(1, gp.clamp(min=0)))
+
+    def pick(x, root_value):
+        head = torch.full((b, 1), root_value, dtype=x.dtype, device=dev)
+        return torch.cat([head, x.gather(1, idx)], 1)
+
+    return (torch.cat([roots.reshape(b, 1).to(torch.int64), tokens.gather(1, idx)], 1),
+            torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1),
+            pick(est, 1.0), pick(drafted, True), pick(torch.where(drafted, bins, -1), -1), pick(logq.float(), 0.0))
+
+
+if triton is not None:
+    @triton.jit
+    def _draft_kernel(tok_ptr, par_ptr, logq_ptr, depth_ptr, roots_ptr, sampled_ptr, table_ptr, edges_ptr,
+                      o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch_ptr, iscratch_ptr,
+                      S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr, DD: tl.constexpr, NQ: tl.constexpr,
+                      PER_MODE: tl.constexpr, DRAFT_NODES: tl.constexpr, BY_LOGQ: tl.constexpr,
+                      ROUNDS: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr):
+        """One request per program; candidates as lanes (``BS`` >= S + 1, lane 0 = the root)."""
+        b = tl.program_id(0)
+        lane = tl.arange(0, BS)
+        c = lane - 1                                        # candidate index of lane (root: -1)
+        live = (lane >= 1) & (lane <= S)
+        cs = tl.where(live, c, 0)
+        lq = tl.load(logq_ptr + b * S + cs, mask=live, other=float("-inf"))
+        dep = tl.load(depth_ptr + b * S + cs, mask=live, other=1)
+        par = tl.load(par_ptr + b * S + cs, mask=live, other=-1)
+        drafted = (lq == lq) & (lq != float("inf")) & (lq != float("-inf")) & (lq > -60.0) & live
+        if not DRAFT_NODES:
+            drafted = drafted & (lane < 0)
+        x = tl.where(lq != lq, float("-inf"), lq)
+        e = tl.arange(0, BE)
+        edges = tl.load(edges_ptr + e, mask=e < NE, other=float("inf"))
+        q = NE - tl.sum(((e[None, :] < NE) & (edges[None, :] <= x[:, None])).to(tl.int64), axis=1)
+        q = tl.minimum(tl.maximum(q, 0), NE)
+        d = tl.minimum(tl.maximum(dep.to(tl.int64) - 1, 0), DD - 1)
+        smp = (tl.load(sampled_ptr + b) != 0).to(tl.int64)
+        bins = d * NQ + q + smp * PER_MODE
+        est = tl.where(drafted, tl.load(table_ptr + bins, mask=live, other=0.0), 0.0)
+        rk = lq if BY_LOGQ else tl.where(drafted, est, -1.0)
+        # path_min over the rooted tree (lane 0 = root, +inf), the reference's pointer jumping
+        val = tl.where(live, rk, float("inf"))
+        ptr = tl.where(live, tl.where(par < 0, 0, par + 1), BS)           # sentinel BS: past the root
+        ptr = tl.where(lane == 0, BS, ptr)
+        frow = scratch_ptr + b * (BS + 1)
+        irow = iscratch_ptr + b * (BS + 1)
+        tl.store(frow + BS, float("inf"))
+        tl.store(irow + BS, BS)
+        for _ in range(ROUNDS):
+            tl.debug_barrier()
+            tl.store(frow + lane, val)
+            tl.store(irow + lane, ptr)
+            tl.debug_barrier()
+            up = tl.load(frow + ptr)
+            val = tl.where((val != val) | (up != up), val + up, tl.minimum(val, up))   # NaN spreads, as torch.minimum
+            ptr = tl.load(irow + ptr)
+        # the K best by order_key (ties: lower candidate index)
+        okey = _order_key(val, cs)
+        okey = tl.where(live, okey, -9223372036854775807)
+        tl.debug_barrier()
+        krow = iscratch_ptr + b * (BS + 1)
+        tl.store(krow + lane, okey)
+        tl.debug_barrier()
+        above = tl.zeros([BS], dtype=tl.int32)
+        for start in range(0, BS, BJ):
+            j = start + tl.arange(0, BJ)
+            kj = tl.load(krow + j, mask=j < BS, other=-9223372036854775807)
+            above += tl.sum((kj[None, :] > okey[:, None]).to(tl.int32), axis=1)
+        sel = live & (above < K)
+        rank = tl.cumsum(sel.to(tl.int32), axis=0)                        # 1-based output index
+        pos = tl.where(sel, rank, -1)
+        tl.debug_barrier()
+        tl.store(irow + lane, pos.to(tl.int64))
+        tl.debug_barrier()
+        ppos = tl.load(irow + tl.where(par < 0, 0, par + 1), mask=sel & (par >= 0), other=0)
+        out = b * (K + 1) + tl.where(sel, rank, 0)
+        tok = tl.load(tok_ptr + b * S + cs, mask=sel, other=0)
+        root = tl.load(roots_ptr + b).to(tl.int64)
+        first = lane == 0
+        m = sel | first
+        tl.store(o_tok + out, tl.where(first, root, tok), mask=m)
+        tl.store(o_par + out, tl.where(first, -1, ppos), mask=m)
+        tl.store(o_est + out, tl.where(first, 1.0, est), mask=m)
+        tl.store(o_valid + out, first | drafted, mask=m)
+        tl.store(o_bins + out, tl.where(first, -1, tl.where(drafted, bins, -1)), mask=m)
+        tl.store(o_logq + out, tl.where(first, 0.0, lq), mask=m)
+
+
+def draft_part_triton(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool: int, draft_depth: int,
+                      num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool) -> tuple[torch.Tensor, ...]:
+    """`draft_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``). Same arguments and results.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("graft draft_part: Triton is not installed")
+    b, s = tokens.shape
+    dev = tokens.device
+    k = min(pool - 1, s)
+    bs = triton.next_power_of_2(s + 1)
+    o_tok = torch.empty(b, k + 1, dtype=torch.int64, device=dev)
+    o_par, o_bins = torch.empty_like(o_tok), torch.empty_like(o_tok)
+    o_est = torch.empty(b, k + 1, dtype=torch.float32, device=dev)
+    o_logq = torch.empty_like(o_est)
+    o_valid = torch.empty(b, k + 1, dtype=torch.bool, device=dev)
+    scratch = torch.empty(b, bs + 1, dtype=torch.float32, device=dev)
+    iscratch = torch.empty(b, bs + 1, dtype=torch.int64, device=dev)
+    if b > 0:
+        # parents < own index: a path is at most S + 1 long; the sentinel is BS
+        _draft_kernel[(b,)](tokens.contiguous().to(torch.int64), parents.contiguous().to(torch.int64),
+                            logq.contiguous().float(), depth.contiguous().to(torch.int64),
+                            roots.contiguous(), sampled.contiguous(), est_table,
+                            edges.contiguous(), o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch, iscratch,
+                            S=s, K=k, NE=edges.numel(), DD=draft_depth, NQ=num_q, PER_MODE=per_mode,
+                            DRAFT_NODES=bool(draft_nodes), BY_LOGQ=bool(by_logq), ROUNDS=pointer_rounds(s + 2),
+                            BS=bs, BJ=16, BE=triton.next_power_of_2(max(edges.numel(), 2)))
+    return o_tok, o_par, o_est, o_valid, o_bins, o_logq
+
+
+@torch.library.custom_op("graft::draft_part", mutates_args=())
+def _draft_op(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
+              roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, edges: torch.Tensor, pool: int,
+              draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return draft_part_reference(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth,
+                                num_q, per_mode, draft_nodes, by_logq)
+
+
+@_draft_op.register_fake
+def _(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth, num_q, per_mode,
+      draft_nodes, by_logq):
+    b, s = tokens.shape
+    w = 1 + min(pool - 1, s)
+    i = tokens.new_empty((b, w), dtype=torch.int64)
+    f = tokens.new_empty((b, w), dtype=torch.float32)
+    return i, i.clone(), f, tokens.new_empty((b, w), dtype=torch.bool), i.clone(), f.clone()
+
+
+if triton is not None:
+    _draft_op.register_kernel("cuda")(draft_part_triton)
+
+
+def draft_part(*args) -> tuple[torch.Tensor, ...]:
+    """`draft_part_reference`'s contract: one fused launch on a CUDA device (or inside
+    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
+    if (args[0].is_cuda or _EVERYWHERE[0]) and fused_enabled():
+        return torch.ops.graft.draft_part(*args)
+    return draft_part_reference(*args)
+
