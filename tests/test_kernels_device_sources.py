@@ -108,3 +108,84 @@ def test_successor_part_is_one_op_inside_fused_ops_everywhere():
     with OpCounter() as c:
         successor_part(*args)
     assert c.ops > 1                                    # CPU: the reference's own ops
+
+
+def _chain_args(planner, hist, count, groups, sampled, factors):
+    from graft_spec.retrieval.lookup import LOOKUP_MAX_MATCH
+
+    cal, ring, cfg = planner.calibrator, planner.outputs, planner.config.retrieval
+    scale, under = factors
+    rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m) if ring is not None
+          else (None,) * 7)
+    return (hist, count, groups, sampled, cal.table, scale, under, cal._retrieval_base, cal.logp_edges,
+            cal.depth_edges, cal.match_edges, *rt, list(ring.lengths) if ring is not None else [],
+            planner.step.pool - 1, LOOKUP_MAX_MATCH if cfg.lookup else 0, cal.layout.per_mode, *cfg.outputs_modes)
+
+
+@pytest.mark.parametrize("outputs", ["greedy", "on", "off"])
+@pytest.mark.parametrize("seed", range(2))
+def test_chain_reference_equals_the_step(outputs, seed):
+    """`chain_part_reference` = `GraftStep._chain_part` on a warmed planner with an output index
+    (greedy rows, every row, none), with the rows' per-request correction and the identity."""
+    from graft_spec.kernels.chain_part import chain_part_reference
+    from graft_spec.sources import SOURCE_LOOKUP, SOURCE_OUTPUTS
+
+    planner, roots, host, slots, sampled = _warm_planner(seed, outputs=outputs)
+    hist, count = planner.history.gather(slots)
+    factors = planner._factors(slots)
+    b = roots.shape[0]
+    for given, passed in ((factors, factors), (None, planner.calibrator.identity(b))):
+        step = _flat(planner.step._chain_part(hist, count, host.group, sampled, planner.calibrator.table, given))
+        assert step[3][step[5] == SOURCE_LOOKUP].any()
+        if outputs != "off":
+            assert step[3][step[5] == SOURCE_OUTPUTS].any()
+        _assert_same(chain_part_reference(*_chain_args(planner, hist, count, host.group, sampled, passed)), step)
+
+
+def test_chain_part_is_one_op_inside_fused_ops_everywhere():
+    from graft_spec.kernels import fused_ops_everywhere
+    from graft_spec.kernels.chain_part import chain_part, chain_part_reference
+    from sglang_patch.bench.step import OpCounter
+
+    planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
+    hist, count = planner.history.gather(slots)
+    args = _chain_args(planner, hist, count, host.group, sampled, planner._factors(slots))
+    ref = chain_part_reference(*args)
+    with fused_ops_everywhere(), OpCounter() as c:
+        fused = chain_part(*args)
+    assert c.ops == 1 and c.names == {"chain_part": 1}
+    _assert_same(fused, ref)
+    with OpCounter() as c:
+        chain_part(*args)
+    assert c.ops > 1                                    # CPU: the reference's own ops
+
+
+def test_device_source_ops_trace():
+    """The fake implementations give the real shapes and dtypes (``make_fx`` in fake mode records one
+    call of each op)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graft_spec.kernels.chain_part import chain_part_reference
+    from graft_spec.kernels.successor_part import successor_part_reference
+
+    planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
+    hist, count = planner.history.gather(slots)
+    factors = planner._factors(slots)
+    s_args = _successor_args(planner, roots, host.group, sampled, factors)
+    c_args = _chain_args(planner, hist, count, host.group, sampled, factors)
+    for op, args, ref in ((torch.ops.graft.successor_part, s_args, successor_part_reference(*s_args)),
+                          (torch.ops.graft.chain_part, c_args, chain_part_reference(*c_args))):
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def call(*ts, args=args, tensors=tensors, op=op):
+            full = list(args)
+            for i, t in zip(tensors, ts):
+                full[i] = t
+            return op(*full)
+
+        gm = make_fx(call, tracing_mode="fake")(*[args[i] for i in tensors])
+        calls = [nd for nd in gm.graph.nodes if nd.op == "call_function" and "graft" in str(nd.target)]
+        assert len(calls) == 1
+        out = [nd for nd in gm.graph.nodes if nd.op == "output"][0].args[0]
+        for m, r in zip(out, ref, strict=True):
+            assert m.meta["val"].shape == r.shape and m.meta["val"].dtype == r.dtype
