@@ -386,6 +386,35 @@ def refuse_unsafe_combinations(sa) -> None:
             "requests greedily (ignoring temperature); not supported")
 
 
+#: Flags SGLang refuses for its own adaptive runtime states (SGLang 0.5.23
+#: ``speculative/adaptive_spec_params.py:75-99``), which graft's batch budget builds and swaps too
+#: (`sglang_patch.verify_widths`): flag -> why the state swap breaks it.
+WIDTH_STATE_REFUSED = {
+    "enable_two_batch_overlap": "the state swap would discard the TboAttnBackend wrapper",
+    "enable_pdmux": "the state swap does not update decode_attn_backend_group",
+}
+
+
+def refuse_width_state_combinations(sa, cfg) -> None:
+    """Refuse, while the batch budget has more than one verify width, the flags SGLang refuses for its
+    own adaptive runtime states (`WIDTH_STATE_REFUSED`); attention DP and multi-layer EAGLE, the
+    others SGLang lists there, graft refuses in any case. Topk > 1, which SGLang also refuses there,
+    is graft's tree and its width states are tested with it (tests/test_sglang_graft_server.py).
+
+    Raises:
+        GraftSettingsError: naming the flag and the way out (drop it, or the budget off).
+    """
+    if len(cfg.verify_widths) <= 1:
+        return
+    for flag, why in WIDTH_STATE_REFUSED.items():
+        if getattr(sa, flag, False):
+            raise GraftSettingsError(
+                f"--{flag.replace('_', '-')} with graft's batch budget (verify widths "
+                f"{list(cfg.verify_widths)}): {why} (SGLang refuses it for its own adaptive states, "
+                "adaptive_spec_params.py:75-99); drop the flag, or fix the width with "
+                "batch_budget.enabled: false (GRAFTCFG_BATCH_BUDGET__ENABLED=false)")
+
+
 def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None) -> None:
     """Body of ``GraftSpec.handle_server_args``: validate and declare graft's server defaults.
 
@@ -400,8 +429,8 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
 
     Raises:
         GraftSettingsError: missing draft model, ``topk == 1``, rejection sampling, pipeline
-            parallelism, `refuse_unsafe_combinations`, or any invalid GraftConfig field (message
-            names the field).
+            parallelism, `refuse_unsafe_combinations`, `refuse_width_state_combinations`, or any
+            invalid GraftConfig field (message names the field).
     """
     if getattr(sa, "speculative_draft_model_path", None) is None:
         raise GraftSettingsError(
@@ -427,6 +456,7 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
     refuse_unsafe_combinations(sa)
 
     cfg = effective_graft_config(sa, environ)
+    refuse_width_state_combinations(sa, cfg)
     for field, sa_field in SHARED_SHAPE.items():
         if getattr(sa, sa_field, None) != getattr(cfg, field):
             setattr(sa, sa_field, getattr(cfg, field))

@@ -28,7 +28,9 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
                    last choice, correction, round_ms per batch-size bucket and width,
                    deferred_draft_extend {skipped (request-rounds), catch_ups, memory_bytes}, or
                    {"enabled": false}); accepted_by_source {source name: tokens} (graft_spec/sources.py);
-                   config caps (suffix_max_nodes, suffix_max_depth, successor_k)
+                   config caps (suffix_max_nodes, suffix_max_depth, successor_k);
+                   memory_beyond_eagle3 {width_states, width_states_by_width, planner,
+                   deferred_draft_extend, total} (bytes, `memory_beyond_eagle3`)
 
 Idle means: queues 0/0, ``kv.used == 0`` and ``kv.protected == 0``, ``req_slots.available ==
 req_slots.size``, ``worker.live_requests == worker.planner_live_requests == 0``.
@@ -132,11 +134,27 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
     if deferred is not None and isinstance(out["batch_budget"], dict):
         out["batch_budget"]["deferred_draft_extend"] = {
             "skipped": deferred.deferred, "catch_ups": deferred.catch_ups, "memory_bytes": deferred.memory_bytes()}
+    out["memory_beyond_eagle3"] = _safe(lambda: memory_beyond_eagle3(worker))
     cfg = _safe(lambda: planner.config.retrieval)
     if cfg is not None:
         out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,
                          "suffix_max_depth": cfg.suffix_max_depth, "successor": cfg.successor,
                          "successor_k": cfg.successor_k}
+    return out
+
+
+def memory_beyond_eagle3(worker) -> Dict[str, int]:
+    """Bytes a graft worker holds that an EAGLE-3 worker of the same tree shape does not: the extra
+    verify-width runtime states (``WidthStates.bytes_by_width``, tensors not shared with the full-width
+    state), the planner's state (successor table, token history, output index, suffix / corpus
+    indexes: ``GraftPlanner.memory_bytes``) and the deferred draft extend's buffers; ``total`` sums them."""
+    ws = getattr(getattr(worker, "width_states", None), "bytes_by_width", {}) or {}
+    deferred = getattr(worker, "deferred", None)
+    out = {"width_states": int(sum(ws.values())),
+           "width_states_by_width": {int(k): int(v) for k, v in ws.items()},
+           "planner": int(worker.planner.memory_bytes()),
+           "deferred_draft_extend": int(deferred.memory_bytes()) if deferred is not None else 0}
+    out["total"] = out["width_states"] + out["planner"] + out["deferred_draft_extend"]
     return out
 
 

@@ -10,6 +10,13 @@ extend still runs so the draft KV stays warm); every other width drafts the full
 scheduler reserves per round is sized for the widest state (``max_speculative_num_draft_tokens``,
 ``runtime_context.py:1982``), as for SGLang's own adaptive steps.
 
+SGLang logs every state switch at INFO (``apply_runtime_state``, :1866); with the budget choosing a
+width every round that is one line per round, so `QuietSwitches` moves those lines to DEBUG (graft's
+own line per switch, ``graft_worker`` logger). The bytes the extra states hold (their tensors, and on
+CUDA the device memory their build took) are kept in `WidthStates.bytes_by_width` for
+``/server_info`` (``worker.memory_beyond_eagle3``). The flags SGLang refuses for its own adaptive
+states are refused for graft at startup (`sglang_patch.args.refuse_width_state_combinations`).
+
 The choice itself (`graft_spec.budget.BatchBudget`) is host-side and made before the round is
 launched; with tensor parallelism the first rank's choice is broadcast on the CPU group (one small
 host collective per round, no device sync), so every rank runs the same shapes.
@@ -26,7 +33,54 @@ from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OPT_OUT_KEY", "speculates", "WidthStates", "agree_width"]
+__all__ = ["OPT_OUT_KEY", "speculates", "WidthStates", "agree_width", "QuietSwitches", "tensor_bytes"]
+
+#: Start of SGLang's per-switch INFO line (``eagle_worker_v2.py:1866``).
+SWITCH_MESSAGE = "Switch adaptive runtime state"
+
+
+class QuietSwitches(logging.Filter):
+    """A filter for SGLang's ``eagle_worker_v2`` logger that re-emits its state-switch INFO line at
+    DEBUG (other records pass unchanged)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and str(record.msg).startswith(SWITCH_MESSAGE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def tensor_bytes(objs, _seen=None) -> int:
+    """Bytes of the distinct tensors held by ``objs`` and, one level down, by their attributes, lists,
+    tuples and dicts (an attention backend's buffers, a graph runner's static inputs). Storage shared
+    between tensors is counted once; CUDA-graph memory pools are not tensors and are not counted."""
+    seen = set() if _seen is None else _seen
+    total = 0
+
+    def visit(x, depth):
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            try:
+                key = (x.device, x.untyped_storage().data_ptr())
+                size = x.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # meta / sparse / wrapper tensors
+                return
+            if key not in seen:
+                seen.add(key)
+                total += size
+        elif depth > 0 and isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v, depth - 1)
+        elif depth > 0 and isinstance(x, dict):
+            for v in x.values():
+                visit(v, depth - 1)
+        elif depth > 0 and hasattr(x, "__dict__") and not isinstance(x, type):
+            for v in vars(x).values():
+                visit(v, depth - 1)
+
+    for o in objs:
+        visit(o, 3)
+    return total
 
 #: ``sampling_params.custom_params`` key: ``{"graft_speculate": false}`` opts a request out of
 #: speculation (its tree carries no candidate; a batch of opted-out requests runs plain decode steps).
@@ -49,6 +103,9 @@ class WidthStates:
     def __init__(self, worker):
         self.worker = worker
         self.states: Dict[int, SpecRuntimeState] = {}
+        #: width -> bytes its state holds beyond the full-width state's (tensors not shared with it;
+        #: on CUDA the larger of that and the device memory the build took)
+        self.bytes_by_width: Dict[int, int] = {}
 
     def build(self, widths: Sequence[int]) -> None:
         """Register the current (full-width) state and build one for every other width (startup)."""
@@ -68,13 +125,28 @@ class WidthStates:
         cuda_graph_bs = None if graphs_off else _ev2.get_exec().graph.cuda_graph_bs_decode
         with (_ev2.draft_tp_context(dw.parallel_layout), _ev2.speculative_moe_backend_context(),
               _ev2.speculative_moe_a2a_backend_context()):
+            full = self.states[w.speculative_num_draft_tokens]
             for width in widths:
                 if width in self.states:
                     continue
                 steps = 0 if width == 1 else w.speculative_num_steps
+                before = _device_bytes(w.device)
                 self.states[width] = w.build_adaptive_runtime_state(
                     speculative_num_steps=steps, speculative_num_draft_tokens=width, cuda_graph_bs=cuda_graph_bs)
-        logger.info("graft batch budget: verify widths %s (runtime states built)", sorted(self.states))
+                try:  # accounting only: a failure here must not stop the server
+                    seen: set = set()
+                    tensor_bytes(_state_parts(full), seen)      # what the full-width state already holds
+                    held = tensor_bytes(_state_parts(self.states[width]), seen)
+                except Exception as exc:  # noqa: BLE001
+                    logger.debug("graft: width %d state bytes not counted (%s)", width, exc)
+                    held = 0
+                self.bytes_by_width[width] = max(held, _device_bytes(w.device) - before)
+        if not getattr(_ev2.logger, "_graft_quiet_switches", False):
+            _ev2.logger.addFilter(QuietSwitches())
+            _ev2.logger._graft_quiet_switches = True
+        logger.info("graft batch budget: verify widths %s (runtime states built; %d bytes beyond the "
+                    "full-width state: %s)", sorted(self.states), sum(self.bytes_by_width.values()),
+                    self.bytes_by_width)
 
     def activate(self, width: int) -> None:
         """Switch the worker to ``width`` (no-op when it is current).
@@ -86,11 +158,26 @@ class WidthStates:
         if w.speculative_num_draft_tokens == width:
             return
         state = self.states[width]
+        logger.debug("graft: verify width %d -> %d", w.speculative_num_draft_tokens, width)
         if w.speculative_num_steps == state.speculative_num_steps:
             # SGLang's apply_runtime_state returns early when the step counts match
             # (eagle_worker_v2.py:1864); widths >= 2 share the draft depth.
             w.speculative_num_steps = -1
         w.apply_runtime_state(state)
+
+
+def _state_parts(state: SpecRuntimeState) -> list:
+    """The objects a runtime state holds (backends and graph runners), for `tensor_bytes`."""
+    return [getattr(state, f) for f in ("draft_attn_backend", "cuda_graph_runner", "target_attn_backend",
+                                         "target_graph_runner", "draft_extend_attn_backend",
+                                         "cuda_graph_runner_for_draft_extend")]
+
+
+def _device_bytes(device) -> int:
+    """Device memory reserved by torch's caching allocator (CUDA), else 0."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.memory_reserved(torch.device(device)))
+    return 0
 
 
 def agree_width(group, width: int) -> int:
