@@ -8,7 +8,10 @@
    correction, successor table, token windows), syncs per-request state (`RequestTracker`:
    `GraftPlanner.begin_request` / ``extend`` / ``stop_request``), builds the spine tree
    (`chain.spine_tree`), runs the graft step (`GraftPlanner.build_chains`: no node deeper than
-   K) and returns each request's best chain (`chain.best_chain`, by the calibrated estimates).
+   K) and returns each request's chain (`chain.ChainPricer.choose`: the tree's paths and the whole
+   draft spine priced by their chain-calibrated conditional acceptance); the next step's `finish`
+   counts the accepted chain tokens by source (`GraftStats`: its own, and the process's ``graft:*``
+   Prometheus series).
 
 Every `log_every` steps the calibration's per-source acceptance is logged (`log_sources`), beside
 vLLM's own ``SpecDecoding metrics`` line (which counts graft's chains like any drafts).
