@@ -209,7 +209,8 @@ if triton is not None:
                            MM: tl.constexpr, SLOTS: tl.constexpr, OUT_GREEDY: tl.constexpr,
                            OUT_SAMPLED: tl.constexpr, NQE: tl.constexpr, NDE: tl.constexpr, NME: tl.constexpr,
                            BD: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           BMM: tl.constexpr, BE: tl.constexpr):
+                           BMM: tl.constexpr, BE: tl.constexpr, LOOKUP_MEMBER: tl.constexpr,
+                           OUTPUTS_MEMBER: tl.constexpr):
         """One request per program; chain nodes as lanes (``BD`` >= D)."""
         b = tl.program_id(0)
         row = hist_ptr + b * L
@@ -245,9 +246,9 @@ if triton is not None:
             idx = tl.minimum(tl.maximum(best_j + 1 + t % period, 0), end)
             ltok = tl.load(row + idx, mask=td, other=0)
             lvalid = td & (best_m > 0)
-            _emit_chain(ltok, lvalid, best_m, c, b, s, 4, t, td, est_table_ptr, scale_ptr, under_ptr, rbase_ptr,
-                        logp_edges_ptr, depth_edges_ptr, match_edges_ptr, tok_ptr, par_ptr, est_ptr, valid_ptr,
-                        bins_ptr, member_ptr, per_mode, D, C, M, NQE, NDE, NME, BE)
+            _emit_chain(ltok, lvalid, best_m, c, b, s, LOOKUP_MEMBER, t, td, est_table_ptr, scale_ptr, under_ptr,
+                        rbase_ptr, logp_edges_ptr, depth_edges_ptr, match_edges_ptr, tok_ptr, par_ptr, est_ptr,
+                        valid_ptr, bins_ptr, member_ptr, per_mode, D, C, M, NQE, NDE, NME, BE)
             c = 1
         if OUTPUTS:
             total = tl.load(total_ptr)
@@ -293,9 +294,9 @@ if triton is not None:
                 live = (otok >= 0) & (idx < total) & (match > 0) & td
                 stop = tl.min(tl.where(live, D, t), axis=0)           # first node that is not live
                 ovalid = (t < stop) & td & row_on
-                _emit_chain(tl.where(t < stop, otok, 0), ovalid, match, c + k, b, s, 5, t, td, est_table_ptr,
-                            scale_ptr, under_ptr, rbase_ptr, logp_edges_ptr, depth_edges_ptr, match_edges_ptr,
-                            tok_ptr, par_ptr, est_ptr, valid_ptr, bins_ptr, member_ptr, per_mode,
+                _emit_chain(tl.where(t < stop, otok, 0), ovalid, match, c + k, b, s, OUTPUTS_MEMBER, t, td,
+                            est_table_ptr, scale_ptr, under_ptr, rbase_ptr, logp_edges_ptr, depth_edges_ptr,
+                            match_edges_ptr, tok_ptr, par_ptr, est_ptr, valid_ptr, bins_ptr, member_ptr, per_mode,
                             D, C, M, NQE, NDE, NME, BE)
 
 
@@ -349,7 +350,7 @@ def chain_part_triton(hist: torch.Tensor, count: torch.Tensor, groups: torch.Ten
             NDE=depth_edges.numel(), NME=match_edges.numel(), BD=p2(max(depth, 2)),
             BJ=min(256, p2(max(length, 2))), BM=p2(max(int(lookup_max_match), 2)), BK=p2(max(kk, 2)),
             BMM=p2(max(mm, 2)), BE=p2(max(logp_edges.numel(), depth_edges.numel(), match_edges.numel(), 2)),
-            enable_fp_fusion=False)
+            LOOKUP_MEMBER=SOURCE_LOOKUP, OUTPUTS_MEMBER=SOURCE_OUTPUTS, enable_fp_fusion=False)
     return tokens, parents, est, valid.bool(), bins, member
 
 
