@@ -2,14 +2,17 @@
 
 Reference: `graft.merge_select_reference` (the torch code of `graft.merge_select`, ~150 small ops
 over ``[B, U]`` candidates). Fused: `_select_kernel`, one Triton program per request that holds the
-row's U candidates as a vector and uses ``U x U`` tiles where the reference gathers or scatters:
+row's U candidates as vectors:
 
-- a gather ``x[idx]`` is a tile of ``idx_i == j`` reduced over j (one hit: exact), so the path
-  hashes and `path_min` run the reference's pointer jumping round for round;
-- ranks (the reference's stable sorts and top-k) count the candidates with a larger `order_key`;
+- a gather ``x[idx]`` stores ``x`` into the row's scratch, syncs the program and loads at ``idx``,
+  so the path hashes and `path_min` run the reference's pointer jumping round for round;
+- a scatter-reduce by group (dedupe buckets, best member, member bins) and the ranks (the
+  reference's stable sorts and top-k: the candidates with a larger `order_key`) are ``U x U``
+  tiles reduced over one axis;
 - the float prefix sums (`sibling_caps`' and the gain curve's ``torch.cumsum``) run as one
   sequential loop over a scratch row, accumulating in float64 and rounding every partial sum to
-  float32, as torch's CPU cumsum does, so the two agree bit for bit;
+  float32, as torch's CPU cumsum does, so the two agree bit for bit (the reference run on a CUDA
+  device takes CUDA's cumsum, which may round its last bit differently);
 - the estimate leaves the kernel clamped at 0 and its log (the tree's ``logp``) is the same
   ``torch.log`` the reference takes.
 
@@ -43,19 +46,13 @@ def select_fused(tokens: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit
-    def _gather_i(idx, vals, lanes, U: tl.constexpr, other):
-        """``vals[idx]`` for int vectors; ``other`` where idx is outside 0..U-1."""
-        hit = (idx[:, None] == lanes[None, :]) & (lanes[None, :] < U)
-        got = tl.sum(tl.where(hit, vals[None, :], 0), axis=1)
-        return tl.where((idx >= 0) & (idx < U), got, other)
-
-    @triton.jit
-    def _gather_f(idx, vals, lanes, U: tl.constexpr, other):
-        """``vals[idx]`` for float vectors; ``other`` where idx is outside 0..U-1."""
-        hit = (idx[:, None] == lanes[None, :]) & (lanes[None, :] < U)
-        got = tl.max(tl.where(hit, vals[None, :], -float("inf")), axis=1)
-        return tl.where((idx >= 0) & (idx < U), got, other)
+    _DRAFT = tl.constexpr(SOURCE_DRAFT)
+    _AGREE = tl.constexpr(SOURCE_AGREE)
+    _PADDING = tl.constexpr(SOURCE_PADDING)
+    _NM = tl.constexpr(NUM_MEMBERS)
+    _MIX = tl.constexpr(HASH_MIX)
+    _ADD = tl.constexpr(HASH_ADD)
+    _POW = tl.constexpr(HASH_POW)
 
     @triton.jit
     def _order_key(v, lanes):
@@ -68,18 +65,25 @@ if triton is not None:
     @triton.jit
     def _select_kernel(tok_ptr, par_ptr, key_ptr, est_ptr, valid_ptr, mem_ptr, bins_ptr,
                        sampled_ptr, table_ptr, rows_ptr, agree_offset, min_score, root_width,
-                       out_tok, out_par, out_est, out_src, out_mb, out_gain, scratch,
+                       out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch,
                        U: tl.constexpr, N: tl.constexpr, G: tl.constexpr, KN: tl.constexpr,
-                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, NM: tl.constexpr,
-                       CAPS: tl.constexpr, HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr,
-                       HAS_ROWS: tl.constexpr, MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr,
-                       HASH_MIX: tl.constexpr, HASH_ADD: tl.constexpr, HASH_POW: tl.constexpr):
+                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, CAPS: tl.constexpr,
+                       HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr, HAS_ROWS: tl.constexpr,
+                       MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr):
         """One request per program; the candidates in ``BLOCK`` >= U lanes (see the module docstring
         for the steps, which follow `graft.merge_select_reference` line for line)."""
         b = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         live = lanes < U
         row = b * U + lanes
+        # the row's scratch: a gather x[idx] stores x, syncs the program and loads at idx
+        iw0 = iscratch + b * (2 * U)
+        iw1 = iw0 + U
+        fw0 = fscratch + b * (5 * U)
+        fw1 = fw0 + U
+        sorted_e = fw0 + 2 * U
+        before = fw0 + 3 * U
+        ranked = fw0 + 4 * U
         inf = float("inf")
         tok = tl.load(tok_ptr + row, mask=live, other=0)
         par = tl.load(par_ptr + row, mask=live, other=-1)
@@ -92,26 +96,31 @@ if triton is not None:
         key = tl.where(lanes == 0, inf, key)
 
         # 1. path hashes (pointer jumping, sentinel lane U) and the canonical member of each group
-        s = tok * HASH_MIX + HASH_ADD
+        s = tok * _MIX + _ADD
         s = tl.where(live, s ^ (s >> 31), 0)
         # round k joins a node's segment to the one 2**k above it; where that exists the node's own
         # segment is full, so the reference's ``pw`` is P**(2**k) there (and unused elsewhere)
-        pw = tl.full([BLOCK], HASH_POW, tl.int64)
+        pw = tl.full([BLOCK], _POW, tl.int64)
         p = tl.where(live & (par >= 0), par, U)
-        for _ in range(ROUNDS):       # gathers inline: x[p] = the one hit of p_i == j, sentinel U past the root
-            hit = (p[:, None] == lanes[None, :]) & (p < U)[:, None]
-            s = tl.sum(tl.where(hit, s[None, :], 0), axis=1) * pw + s
+        for _ in range(ROUNDS):
+            tl.debug_barrier()
+            tl.store(iw0 + lanes, s, mask=live)
+            tl.store(iw1 + lanes, p, mask=live)
+            tl.debug_barrier()
+            up = p < U
+            s = tl.load(iw0 + p, mask=up, other=0) * pw + s
+            p = tl.load(iw1 + p, mask=up, other=U)
             pw = pw * pw
-            p = tl.where(p < U, tl.sum(tl.where(hit, p[None, :], 0), axis=1), U)
-        same = (s[:, None] == s[None, :])
+        tl.debug_barrier()
+        tl.store(iw0 + lanes, s, mask=live)
+        tl.debug_barrier()
         canon = lanes.to(tl.int64)
         pending = valid
         for r in tl.static_range(4):
             bucket = (s >> (r * 13 + 3)) & 255
             inb = pending[None, :] & (bucket[None, :] == bucket[:, None])
             cand = tl.minimum(tl.min(tl.where(inb, lanes[None, :], U), axis=1), U - 1)
-            hit = tl.max(((lanes[None, :] == cand[:, None]) & same).to(tl.int32), axis=1) > 0
-            ok = pending & hit
+            ok = pending & (tl.load(iw0 + cand) == s)
             canon = tl.where(ok, cand.to(tl.int64), canon)
             pending = pending & ~ok
         valid = valid & ~pending
@@ -121,21 +130,26 @@ if triton is not None:
         group = valid[None, :] & (canon[None, :] == lanes[:, None])              # [canonical i, member j]
         best = tl.max(tl.where(group, okey[None, :], -4611686018427387904), axis=1)
         best_idx = tl.minimum(tl.maximum(1048575 - (best & 1048575), 0), U - 1)
-        gkey = _gather_f(best_idx, key, lanes, U, 0.0)
+        tl.debug_barrier()
+        tl.store(fw0 + lanes, key, mask=live)
+        tl.store(iw1 + lanes, canon, mask=live)
+        tl.debug_barrier()
+        gkey = tl.load(fw0 + best_idx)
+        cpar = tl.where(lanes == 0, -1, tl.load(iw1 + tl.maximum(par, 0), mask=live, other=0))
         gest = tl.load(est_ptr + b * U + best_idx)
         src = tl.load(mem_ptr + b * U + best_idx).to(tl.int64)
-        retrieved_best = src != SOURCE_DRAFT
-        member = tl.minimum(tl.maximum(tl.load(mem_ptr + row, mask=live, other=0), 0), NM - 1)
+        retrieved_best = src != _DRAFT
+        member = tl.minimum(tl.maximum(tl.load(mem_ptr + row, mask=live, other=0), 0), _NM - 1)
         bins = tl.load(bins_ptr + row, mask=live, other=-1).to(tl.int64)
         binv = tl.where(valid & (bins >= 0), bins, -1)
         mlanes = tl.arange(0, 8)
         mb = tl.full([BLOCK, 8], -1, tl.int64)
-        for m in tl.static_range(NM):
+        for m in tl.static_range(_NM):
             got = tl.max(tl.where(group & (member[None, :] == m), binv[None, :], -1), axis=1)
             mb = tl.where(mlanes[None, :] == m, got[:, None], mb)
         if HAS_AGREE:
-            drafted = tl.max(tl.where(mlanes[None, :] == SOURCE_DRAFT, mb, -1), axis=1)
-            retr = tl.max(tl.where((mlanes[None, :] > SOURCE_DRAFT) & (mlanes[None, :] < SOURCE_AGREE), mb, -1),
+            drafted = tl.max(tl.where(mlanes[None, :] == _DRAFT, mb, -1), axis=1)
+            retr = tl.max(tl.where((mlanes[None, :] > _DRAFT) & (mlanes[None, :] < _AGREE), mb, -1),
                           axis=1) >= 0
             agree = (drafted >= 0) & retr
             if HAS_ROWS:
@@ -144,12 +158,11 @@ if triton is not None:
             agree_est = tl.load(table_ptr + tl.maximum(agree_bin, 0), mask=agree, other=0.0)
             gest = tl.where(agree, tl.maximum(gest, agree_est), gest)
             gkey = tl.where(agree & (gkey < inf), tl.maximum(gkey, agree_est), gkey)
-            mb = tl.where((mlanes[None, :] == SOURCE_DRAFT) & agree[:, None], -1, mb)
-            mb = tl.where(mlanes[None, :] == SOURCE_AGREE, agree_bin[:, None], mb)
-            src = tl.where(agree, SOURCE_AGREE, src)
+            mb = tl.where((mlanes[None, :] == _DRAFT) & agree[:, None], -1, mb)
+            mb = tl.where(mlanes[None, :] == _AGREE, agree_bin[:, None], mb)
+            src = tl.where(agree, _AGREE, src)
 
         unique = valid & (canon == lanes)
-        cpar = tl.where(lanes == 0, -1, _gather_i(tl.maximum(par, 0), canon, lanes, U, 0))
         cp = tl.where(live & (cpar >= 0), cpar, U)                                 # sentinel parents
         gkey = tl.where(unique, gkey, -inf)
         if HAS_RW:
@@ -159,9 +172,13 @@ if triton is not None:
             gkey = tl.where(kids & (rank2 >= root_width), -inf, gkey)
         p = cp
         for _ in range(ROUNDS):       # `path_min`
-            hit = (p[:, None] == lanes[None, :]) & (p < U)[:, None]
-            gkey = tl.minimum(gkey, tl.min(tl.where(hit, gkey[None, :], inf), axis=1))
-            p = tl.where(p < U, tl.sum(tl.where(hit, p[None, :], 0), axis=1), U)
+            tl.debug_barrier()
+            tl.store(fw0 + lanes, gkey, mask=live)
+            tl.store(iw1 + lanes, p, mask=live)
+            tl.debug_barrier()
+            up = p < U
+            gkey = tl.minimum(gkey, tl.load(fw0 + p, mask=up, other=inf))
+            p = tl.load(iw1 + p, mask=up, other=U)
 
         if CAPS != 0:   # `sibling_caps`: sort by (parent, key desc), a float64 prefix sum in that order
             e = tl.where(gkey > -inf, gest, 0.0)
@@ -170,8 +187,6 @@ if triton is not None:
             start = tl.sum(lower.to(tl.int32), axis=1)
             pos = tl.sum((lower | ((cpar[None, :] == cpar[:, None]) & (ok2[None, :] > ok2[:, None])
                                    & live[None, :])).to(tl.int32), axis=1)
-            sorted_e = scratch + b * (3 * U)
-            before = sorted_e + U
             tl.store(sorted_e + pos, e, mask=live)
             tl.debug_barrier()
             acc = tl.full([], 0.0, tl.float64)
@@ -181,16 +196,24 @@ if triton is not None:
                 tl.store(before + k, acc.to(tl.float32) - ek)
             tl.debug_barrier()
             above = tl.load(before + pos, mask=live, other=0.0) - tl.load(before + start, mask=live, other=0.0)
-            base = tl.where(cpar < 0, 1.0, _gather_f(tl.maximum(cpar, 0), gest, lanes, U, 0.0))
+            tl.debug_barrier()
+            tl.store(fw0 + lanes, gest, mask=live)
+            tl.debug_barrier()
+            base = tl.where(cpar < 0, 1.0, tl.load(fw0 + tl.maximum(cpar, 0), mask=live, other=0.0))
             cap = tl.where(lanes == 0, inf, tl.maximum(base - above, 0.0))
             capped_est = tl.minimum(gest, cap)
             capped_key = tl.where(gkey == inf, gkey, tl.minimum(gkey, cap))
             p = cp
             for _ in range(ROUNDS):   # `path_min` of both
-                hit = (p[:, None] == lanes[None, :]) & (p < U)[:, None]
-                capped_est = tl.minimum(capped_est, tl.min(tl.where(hit, capped_est[None, :], inf), axis=1))
-                capped_key = tl.minimum(capped_key, tl.min(tl.where(hit, capped_key[None, :], inf), axis=1))
-                p = tl.where(p < U, tl.sum(tl.where(hit, p[None, :], 0), axis=1), U)
+                tl.debug_barrier()
+                tl.store(fw0 + lanes, capped_est, mask=live)
+                tl.store(fw1 + lanes, capped_key, mask=live)
+                tl.store(iw1 + lanes, p, mask=live)
+                tl.debug_barrier()
+                up = p < U
+                capped_est = tl.minimum(capped_est, tl.load(fw0 + p, mask=up, other=inf))
+                capped_key = tl.minimum(capped_key, tl.load(fw1 + p, mask=up, other=inf))
+                p = tl.load(iw1 + p, mask=up, other=U)
             apply = lanes >= 0
             if CAPS == 1 and HAS_SAMPLED:   # greedy: sampled rows keep their estimates
                 apply = apply & (tl.load(sampled_ptr + b) == 0)
@@ -201,7 +224,6 @@ if triton is not None:
         rest = live & (lanes > 0)
         ok3 = _order_key(gkey, lanes)
         rank = tl.sum(((ok3[None, :] > ok3[:, None]) & rest[None, :]).to(tl.int32), axis=1)
-        ranked = scratch + b * (3 * U) + 2 * U
         tl.store(ranked + rank, tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0), mask=rest)
         tl.debug_barrier()
         acc = tl.full([], 0.0, tl.float64)
@@ -213,14 +235,17 @@ if triton is not None:
         # 4. compact the selected nodes (positions 1 .. count-1); the root and padding go by position
         newidx = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         count = tl.sum(sel.to(tl.int32), axis=0)
-        npar = tl.where(lanes == 0, -1, _gather_i(tl.maximum(cpar, 0), newidx.to(tl.int64), lanes, U, 0))
+        tl.debug_barrier()
+        tl.store(iw0 + lanes, newidx.to(tl.int64), mask=live)
+        tl.debug_barrier()
+        npar = tl.where(lanes == 0, -1, tl.load(iw0 + tl.maximum(cpar, 0), mask=live, other=0))
         put = sel & (lanes > 0)
         dst = b * N + newidx
         tl.store(out_tok + dst, tok, mask=put)
         tl.store(out_par + dst, npar, mask=put)
         tl.store(out_est + dst, tl.maximum(gest, 0.0), mask=put)
         tl.store(out_src + dst, src, mask=put)
-        tl.store(out_mb + dst[:, None] * NM + mlanes[None, :], mb, mask=put[:, None] & (mlanes[None, :] < NM))
+        tl.store(out_mb + dst[:, None] * _NM + mlanes[None, :], mb, mask=put[:, None] & (mlanes[None, :] < _NM))
         q = tl.arange(0, BN)
         rootkid = put & (npar == 0)
         used = tl.max(((tok[:, None] == q[None, :]) & rootkid[:, None]).to(tl.int32), axis=0) > 0
@@ -235,9 +260,9 @@ if triton is not None:
         tl.store(out_tok + dq, tl.where(q == 0, root_tok, pad_tok.to(tl.int64)), mask=spot)
         tl.store(out_par + dq, tl.where(q == 0, -1, 0).to(tl.int64), mask=spot)
         tl.store(out_est + dq, tl.where(q == 0, 1.0, 0.0), mask=spot)
-        tl.store(out_src + dq, tl.where(q == 0, SOURCE_DRAFT, SOURCE_PADDING).to(tl.int64), mask=spot)
-        tl.store(out_mb + dq[:, None] * NM + mlanes[None, :], tl.full([BN, 8], -1, tl.int64),
-                 mask=spot[:, None] & (mlanes[None, :] < NM))
+        tl.store(out_src + dq, tl.where(q == 0, _DRAFT, _PADDING).to(tl.int64), mask=spot)
+        tl.store(out_mb + dq[:, None] * _NM + mlanes[None, :], tl.full([BN, 8], -1, tl.int64),
+                 mask=spot[:, None] & (mlanes[None, :] < _NM))
 
 
 def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor, est: torch.Tensor,
@@ -265,18 +290,20 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
     out_mb = torch.empty(b, n, NUM_MEMBERS, dtype=torch.int64, device=dev)
     gain = torch.empty(b, g, dtype=torch.float32, device=dev)
     if b > 0:
-        scratch = torch.empty(b, 3 * u, dtype=torch.float32, device=dev)
-        flags = lambda t: t.contiguous().to(torch.int8) if t is not None else out_tok  # noqa: E731
+        iscratch = torch.empty(b, 2 * u, dtype=torch.int64, device=dev)
+        fscratch = torch.empty(b, 5 * u, dtype=torch.float32, device=dev)
+        flags = lambda t: t.contiguous() if t is not None else out_tok  # noqa: E731  (bool, or unused)
         table = agree_table.contiguous().float() if agree_table is not None else out_est
         _select_kernel[(b,)](
             i64(tokens), i64(parents), key.contiguous().float(), est.contiguous().float(), flags(valid),
             i64(member), i64(bins), flags(sampled), table, flags(agree_rows), int(agree_offset),
-            float(min_score), int(root_width or 0), out_tok, out_par, out_est, out_src, out_mb, gain, scratch,
+            float(min_score), int(root_width or 0), out_tok, out_par, out_est, out_src, out_mb, gain,
+            iscratch, fscratch,
             U=u, N=n, G=g, KN=min(n - 1, u - 1), ROUNDS=pointer_rounds(u + 1),
-            BLOCK=triton.next_power_of_2(max(u, 2)), BN=triton.next_power_of_2(max(n, 2)), NM=NUM_MEMBERS,
+            BLOCK=triton.next_power_of_2(max(u, 2)), BN=triton.next_power_of_2(max(n, 2)),
             CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
             HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
-            HASH_MIX=HASH_MIX, HASH_ADD=HASH_ADD, HASH_POW=HASH_POW)
+            num_warps=8 if u > 64 else 4)                   # U x U tiles: more threads share the registers
     return out_tok, out_par, out_est.log(), out_src, out_mb, gain
 
 
