@@ -72,7 +72,8 @@ from .sources import (NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT
 
 __all__ = [
     "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "FIXED_ONE", "BinLayout", "Calibrator",
-    "linear_correction", "apply_correction", "to_fixed", "from_fixed",
+    "linear_correction", "apply_correction", "to_fixed", "from_fixed", "q_bins", "draft_bin_ids",
+    "retrieval_bin_ids", "credit_counts", "round_metrics",
 ]
 
 #: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
@@ -106,8 +107,34 @@ def from_fixed(x: torch.Tensor) -> torch.Tensor:
     return (x.double() * (1.0 / FIXED_ONE)).float()
 
 
-def _bucket(x: torch.Tensor, edges: torch.Tensor, right: bool) -> torch.Tensor:
-    return torch.bucketize(x.contiguous(), edges, right=right)
+def q_bins(logp: torch.Tensor, logp_edges: torch.Tensor) -> torch.Tensor:
+    """``int64``: the probability bin of each log-probability (0 = highest; NaN and -inf last) for
+    the ascending edges ``logp_edges`` ``float32[Q - 1]`` (`LOGP_EDGES` reversed)."""
+    x = torch.nan_to_num(logp.float(), nan=-math.inf).contiguous()
+    n = logp_edges.numel()
+    return (n - torch.bucketize(x, logp_edges, right=True)).clamp(0, n)
+
+
+def draft_bin_ids(depth: torch.Tensor, logq: torch.Tensor, sampled: torch.Tensor, logp_edges: torch.Tensor,
+                  draft_depth: int, num_q: int, per_mode: int) -> torch.Tensor:
+    """``int64[B, S]``: draft nodes' bins (depth bin x probability bin, + ``per_mode`` on sampled
+    rows) from ``depth`` (1-based) and ``logq`` broadcastable to ``[B, S]`` and ``sampled`` ``bool[B]``."""
+    d = (depth.to(torch.int64) - 1).clamp(0, draft_depth - 1)
+    return d * num_q + q_bins(logq, logp_edges) + (sampled.to(torch.int64) * per_mode)[:, None]
+
+
+def retrieval_bin_ids(member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
+                      sampled: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
+                      depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int) -> torch.Tensor:
+    """``int64[B, M]``: retrieval nodes' bins, ``retrieval_base[member]`` + (depth bin x probability
+    bin x match bin) + ``per_mode`` on sampled rows. ``member`` one of `RETRIEVAL_SOURCES`; all
+    broadcastable to ``[B, M]`` but ``sampled`` ``bool[B]``; the edges ascending."""
+    nq, nd, nm = logp_edges.numel() + 1, depth_edges.numel() + 1, match_edges.numel() + 1
+    d = torch.bucketize(depth.contiguous(), depth_edges, right=False).clamp(max=nd - 1)
+    m = torch.bucketize(match.clamp(min=1).contiguous(), match_edges, right=False).clamp(max=nm - 1)
+    within = (d * nq + q_bins(logp, logp_edges)) * nm + m
+    return retrieval_base[member.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)] + within + (sampled.to(torch.int64)
+                                                                                  * per_mode)[:, None]
 
 
 @dataclass(frozen=True)
@@ -333,41 +360,26 @@ class Calibrator:
     # ------------------------------------------------------------------ bins
     def q_bin(self, logp: torch.Tensor) -> torch.Tensor:
         """``int64``: probability bin of a log-probability (0 = highest); NaN and -inf go last."""
-        x = torch.nan_to_num(logp.float(), nan=-math.inf)
-        return (len(LOGP_EDGES) - _bucket(x, self.logp_edges, right=True)).clamp(0, len(LOGP_EDGES))
-
-    def depth_bin(self, depth: torch.Tensor) -> torch.Tensor:
-        return _bucket(depth, self.depth_edges, right=False).clamp(max=self.layout.num_depth - 1)
-
-    def match_bin(self, match: torch.Tensor) -> torch.Tensor:
-        return _bucket(match.clamp(min=1), self.match_edges, right=False).clamp(max=self.layout.num_match - 1)
-
-    def _mode_base(self, sampled: torch.Tensor) -> torch.Tensor:
-        return sampled.to(torch.int64) * self.layout.per_mode
+        return q_bins(logp, self.logp_edges)
 
     def draft_bins(self, depth: torch.Tensor, logq: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """Bins of draft nodes. ``depth`` int64 (1-based) and ``logq`` broadcastable to ``[B, S]``,
-        ``sampled`` ``bool[B]``. Returns ``int64[B, S]``."""
+        """Bins of draft nodes (`draft_bin_ids`). ``depth`` int64 (1-based) and ``logq``
+        broadcastable to ``[B, S]``, ``sampled`` ``bool[B]``. Returns ``int64[B, S]``."""
         lay = self.layout
-        d = (depth.to(torch.int64) - 1).clamp(0, lay.draft_depth - 1)
-        b = d * lay.num_q + self.q_bin(logq)
-        return b + self._mode_base(sampled)[:, None]
+        return draft_bin_ids(depth, logq, sampled, self.logp_edges, lay.draft_depth, lay.num_q, lay.per_mode)
 
     def successor_bins(self, slots: int, sampled: torch.Tensor) -> torch.Tensor:
         """Bins of successor template slots 0..slots-1: ``int64[B, slots]``."""
         ar = torch.arange(slots, device=self.device) + self.layout.offset(SOURCE_SUCCESSOR)
-        return ar[None, :] + self._mode_base(sampled)[:, None]
+        return ar[None, :] + (sampled.to(torch.int64) * self.layout.per_mode)[:, None]
 
     def retrieval_bins(self, member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor,
                        match: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """Bins of suffix / corpus / lookup / outputs nodes (``member`` one of `RETRIEVAL_SOURCES` per
-        node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
+        """Bins of suffix / corpus / lookup / outputs nodes (`retrieval_bin_ids`; ``member`` one of
+        `RETRIEVAL_SOURCES` per node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
         Returns ``int64[B, M]``."""
-        lay = self.layout
-        within = ((self.depth_bin(depth) * lay.num_q + self.q_bin(logp)) * lay.num_match
-                  + self.match_bin(match))
-        base = self._retrieval_base[member.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)]
-        return base + within + self._mode_base(sampled)[:, None]
+        return retrieval_bin_ids(member, depth, logp, match, sampled, self._retrieval_base, self.logp_edges,
+                                 self.depth_edges, self.match_edges, self.layout.per_mode)
 
     # ------------------------------------------------------------------ priors / estimates
     def _prior(self, successor_prior: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
 from .kernels.draft_part import draft_part
+from .kernels.host_part import host_part, reanchor_arrays
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
 from .request_correction import RequestCorrection
@@ -48,7 +49,7 @@ from .retrieval.lookup import LOOKUP_MAX_MATCH, lookup_propose
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
-from .tree import DraftTree, node_depths, order_key, path_min, pointer_jumps, top_mask
+from .tree import DraftTree, node_depths
 
 __all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
@@ -127,31 +128,8 @@ def reanchor(host: HostCandidates, hist: torch.Tensor, count: torch.Tensor, seq_
     Returns:
         ``(parents, depth, logp, match, valid)`` all ``[B, M]``: parents -1 = child of the root.
     """
-    b, m = host.tokens.shape
-    dev = host.tokens.device
-    length = hist.shape[1]
-    par = host.parents
-    full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
-    jumps = pointer_jumps(full)
-    depth = node_depths(full, jumps)[:, 1:]                                    # 1-based below the anchor
-    gap = seq_lens.to(torch.int64) + 1 - host.anchor_len
-    ok_gap = (gap >= 0) & (gap <= count) & (gap <= length)
-    src = (length - gap)[:, None] + depth - 1                                  # history index of depth d
-    want = hist.gather(1, src.clamp(0, length - 1))
-    consumed = depth <= gap[:, None]
-    match_here = torch.where(consumed, host.tokens == want, True)
-    inf = torch.full((), math.inf, device=dev)
-    # one pointer jumping for both: is every consumed token on the path matched, and the consumed
-    # prefix's path log-probability (the root column: 1 and +inf, neutral for the minimum)
-    lead = torch.stack([torch.ones(b, 1, device=dev), inf.expand(b, 1)])
-    ok_base = path_min(torch.cat([lead, torch.stack([match_here.float(),
-                                                     torch.where(consumed, host.logp.float(), inf)])], 2), full, jumps)
-    path_ok, base = ok_base[0, :, 1:] > 0.5, ok_base[1, :, 1:]
-    valid = (host.member >= 0) & path_ok & ~consumed & ok_gap[:, None]
-    par_depth = depth.gather(1, par.clamp(min=0))
-    new_par = torch.where((par >= 0) & (par_depth > gap[:, None]), par, -1)
-    logp = host.logp - torch.where(torch.isinf(base), 0.0, base)
-    return new_par, depth - gap[:, None], logp.clamp(max=0.0), host.match + gap[:, None], valid
+    return reanchor_arrays(host.tokens, host.parents, host.logp, host.match, host.member, host.anchor_len, hist,
+                           count, seq_lens)
 
 
 def tree_layout(tree: DraftTree, seq_lens: torch.Tensor
@@ -365,11 +343,13 @@ class GraftStep:
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
                    factors=None) -> Candidates:
-        """The host proposals (suffix, corpus) re-anchored at the device's root (`reanchor`)."""
-        parents, depth, logp, match, valid = reanchor(host, hist, count, seq_lens)
-        bins = self.calibrator.retrieval_bins(host.member, depth.clamp(min=1), logp, match, sampled)
-        est = torch.where(valid, self._price(est_table, bins, host.member.clamp(0, NUM_MEMBERS - 1), factors), 0.0)
-        return Candidates(host.tokens, parents, est, valid, torch.where(valid, bins, -1), host.member)
+        """The host proposals (suffix, corpus) re-anchored at the device's root and priced: one
+        fused op (kernels/host_part.py; its reference: `reanchor`, the retrieval bins, `_price`)."""
+        cal = self.calibrator
+        scale, under = factors if factors is not None else cal.identity(host.tokens.shape[0])
+        return Candidates(*host_part(host.tokens, host.parents, host.logp, host.match, host.member, host.anchor_len,
+                                     hist, count, seq_lens, sampled, est_table, scale, under, cal._retrieval_base,
+                                     cal.logp_edges, cal.depth_edges, cal.match_edges, cal.layout.per_mode))
 
     def retrieve(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                  seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,

@@ -60,15 +60,14 @@ def draft_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logq: torc
         kept candidates in index order (parents re-pointed; invalid ones estimate 0, bin -1).
     Source: step.py ``GraftStep._draft_part``; calibration.py ``Calibrator.draft_bins``.
     """
+    from ..calibration import draft_bin_ids
+
     b, s = tokens.shape
     dev = tokens.device
     drafted = torch.isfinite(logq) & (logq > -60.0)
     if not draft_nodes:
         drafted = torch.zeros_like(drafted)
-    x = torch.nan_to_num(logq.float(), nan=-math.inf).contiguous()
-    q = (edges.numel() - torch.bucketize(x, edges, right=True)).clamp(0, edges.numel())
-    d = (depth.to(torch.int64) - 1).clamp(0, draft_depth - 1)
-    bins = d * num_q + q + sampled.to(torch.int64)[:, None] * per_mode
+    bins = draft_bin_ids(depth, logq, sampled, edges, draft_depth, num_q, per_mode)
     est = torch.where(drafted, est_table[bins], 0.0)
     rank_key = logq if by_logq else torch.where(drafted, est, -1.0)
     full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev),

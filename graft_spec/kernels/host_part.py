@@ -37,6 +37,42 @@ if triton is not None:
 __all__ = ["host_part", "host_part_reference", "host_part_triton"]
 
 
+def reanchor_arrays(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
+                    member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
+                    seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Host proposals moved from the host's anchor to the device's root (step.py `reanchor`, which
+    documents the rule), on the `HostCandidates` fields ``[B, M]`` and the slots' windows.
+
+    Returns:
+        ``(parents, depth, logp, match, valid)`` all ``[B, M]``: parents -1 = child of the root.
+    """
+    b, m = tokens.shape
+    dev = tokens.device
+    length = hist.shape[1]
+    par = parents
+    full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
+    jumps = pointer_jumps(full)
+    depth = node_depths(full, jumps)[:, 1:]                                    # 1-based below the anchor
+    gap = seq_lens.to(torch.int64) + 1 - anchor_len
+    ok_gap = (gap >= 0) & (gap <= count) & (gap <= length)
+    src = (length - gap)[:, None] + depth - 1                                  # history index of depth d
+    want = hist.gather(1, src.clamp(0, length - 1))
+    consumed = depth <= gap[:, None]
+    match_here = torch.where(consumed, tokens == want, True)
+    inf = torch.full((), math.inf, device=dev)
+    # one pointer jumping for both: is every consumed token on the path matched, and the consumed
+    # prefix's path log-probability (the root column: 1 and +inf, neutral for the minimum)
+    lead = torch.stack([torch.ones(b, 1, device=dev), inf.expand(b, 1)])
+    ok_base = path_min(torch.cat([lead, torch.stack([match_here.float(),
+                                                     torch.where(consumed, logp.float(), inf)])], 2), full, jumps)
+    path_ok, base = ok_base[0, :, 1:] > 0.5, ok_base[1, :, 1:]
+    valid = (member >= 0) & path_ok & ~consumed & ok_gap[:, None]
+    par_depth = depth.gather(1, par.clamp(min=0))
+    new_par = torch.where((par >= 0) & (par_depth > gap[:, None]), par, -1)
+    lp = (logp - torch.where(torch.isinf(base), 0.0, base)).clamp(max=0.0)
+    return new_par, depth - gap[:, None], lp, match + gap[:, None], valid
+
+
 def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
                         member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
                         seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
@@ -71,42 +107,12 @@ def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch
         parents under the new root (-1 = child of the root); ``float32`` estimates (0 where invalid);
         ``bool`` valid; ``int64`` calibration bins (-1 where invalid); the input members.
     """
-    from ..calibration import apply_correction
+    from ..calibration import apply_correction, retrieval_bin_ids
 
-    b, m = tokens.shape
-    dev = tokens.device
-    length = hist.shape[1]
-    par = parents
-    # `reanchor`
-    full = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), torch.where(par < 0, 0, par + 1)], 1)
-    jumps = pointer_jumps(full)
-    depth = node_depths(full, jumps)[:, 1:]                                    # 1-based below the anchor
-    gap = seq_lens.to(torch.int64) + 1 - anchor_len
-    ok_gap = (gap >= 0) & (gap <= count) & (gap <= length)
-    src = (length - gap)[:, None] + depth - 1                                  # history index of depth d
-    want = hist.gather(1, src.clamp(0, length - 1))
-    consumed = depth <= gap[:, None]
-    match_here = torch.where(consumed, tokens == want, True)
-    inf = torch.full((), math.inf, device=dev)
-    lead = torch.stack([torch.ones(b, 1, device=dev), inf.expand(b, 1)])
-    ok_base = path_min(torch.cat([lead, torch.stack([match_here.float(),
-                                                     torch.where(consumed, logp.float(), inf)])], 2), full, jumps)
-    path_ok, base = ok_base[0, :, 1:] > 0.5, ok_base[1, :, 1:]
-    valid = (member >= 0) & path_ok & ~consumed & ok_gap[:, None]
-    par_depth = depth.gather(1, par.clamp(min=0))
-    new_par = torch.where((par >= 0) & (par_depth > gap[:, None]), par, -1)
-    lp = (logp - torch.where(torch.isinf(base), 0.0, base)).clamp(max=0.0)
-    rel_depth = depth - gap[:, None]
-    rel_match = match + gap[:, None]
-    # `Calibrator.retrieval_bins(member, rel_depth.clamp(min=1), lp, rel_match, sampled)`
-    nq, nd, nm = logp_edges.numel() + 1, depth_edges.numel() + 1, match_edges.numel() + 1
-    x = torch.nan_to_num(lp.float(), nan=-math.inf)
-    q_bin = (nq - 1 - torch.bucketize(x.contiguous(), logp_edges, right=True)).clamp(0, nq - 1)
-    d_bin = torch.bucketize(rel_depth.clamp(min=1).contiguous(), depth_edges, right=False).clamp(max=nd - 1)
-    m_bin = torch.bucketize(rel_match.clamp(min=1).contiguous(), match_edges, right=False).clamp(max=nm - 1)
-    within = (d_bin * nq + q_bin) * nm + m_bin
-    bins = (retrieval_base[member.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)] + within
-            + (sampled.to(torch.int64) * per_mode)[:, None])
+    new_par, rel_depth, lp, rel_match, valid = reanchor_arrays(tokens, parents, logp, match, member, anchor_len,
+                                                               hist, count, seq_lens)
+    bins = retrieval_bin_ids(member, rel_depth.clamp(min=1), lp, rel_match, sampled, retrieval_base, logp_edges,
+                             depth_edges, match_edges, per_mode)
     # `GraftStep._price` -> `RequestCorrection.price`
     mc = member.clamp(0, scale.shape[1] - 1)
     est = torch.where(valid, apply_correction(est_table[bins], scale.gather(1, mc), under.gather(1, mc)), 0.0)
