@@ -95,7 +95,7 @@ if triton is not None:
             key = tl.where((est >= min_score) | (key == inf), key, -inf)
         key = tl.where(lanes == 0, inf, key)
 
-        # 1. path hashes (pointer jumping, sentinel lane U) and the canonical member of each group
+        # 1. path hashes (pointer jumping, U = past the root) and the canonical member of each group
         s = tok * _MIX + _ADD
         s = tl.where(live, s ^ (s >> 31), 0)
         # round k joins a node's segment to the one 2**k above it; where that exists the node's own
