@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from sglang_patch.cpu import attention, cache_ops, distributed, hashing, overlap, rotary, sampling, tree_ops
+from sglang_patch.cpu import attention, cache_ops, distributed, hashing, moe, overlap, rotary, sampling, tree_ops
 
 _SPEC = "sglang.kernels.ops.speculative"
 
 HOOKS = [
     # Tensor parallelism: gloo groups without the CUDA communicators (parallel_state.py:2160).
     (distributed.TARGET, HookType.AROUND, distributed.cpu_model_parallel_group),
+    # Expert parallelism: the local-expert map is made on get_device() (standard.py:231), which has no
+    # answer for a plain CPU.
+    (moe.TARGET, HookType.AROUND, moe.get_device_hook),
+    # ... and the torch MoE forward fails on the dispatcher's -1 (other rank's expert) ids.
+    (moe.NATIVE_TARGET, HookType.AROUND, moe.moe_forward_native_hook),
     # Model construction: RotaryEmbedding would import vllm._custom_ops (never called on CPU).
     (f"{rotary.ROTARY_MODULE}.RotaryEmbedding.__init__", HookType.AROUND, rotary.rotary_init_hook),
     # EAGLE tree build / greedy verify (spec_tree.py:367, :480).
