@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .kernels.stack import stack_candidates
+
 __all__ = ["Candidates"]
 
 
@@ -62,16 +64,20 @@ class Candidates:
         return Candidates(self.tokens, self.parents, torch.where(keep, self.est, zero), self.valid & keep,
                           torch.where(keep, self.bins, -1), self.member, self.key)
 
+    def fields(self) -> list[torch.Tensor]:
+        """The block as `kernels.stack.FIELDS` tensors: tokens, parents, est, valid, bins, member,
+        priority."""
+        return [self.tokens, self.parents, self.est, self.valid, self.bins, self.member, self.priority]
+
     @staticmethod
-    def stack(rooted: "Candidates", parts: Sequence["Candidates"]) -> "Candidates":
+    def stack(rooted: "Candidates", parts: Sequence["Candidates"], speculate: Optional[torch.Tensor] = None
+              ) -> "Candidates":
         """One block ``[B, C0 + sum C_i]``: ``rooted`` (root at index 0) first, then every part with
-        its parents re-pointed into the stack (-1, a child of the root, becomes 0)."""
-        parents = [rooted.parents]
-        offset = rooted.width
-        for p in parts:
-            parents.append(torch.where(p.parents < 0, 0, p.parents + offset))
-            offset += p.width
-        blocks = [rooted, *parts]
-        cat = lambda name: torch.cat([getattr(x, name) for x in blocks], 1)  # noqa: E731
-        return Candidates(cat("tokens"), torch.cat(parents, 1), cat("est"), cat("valid"), cat("bins"),
-                          cat("member"), torch.cat([x.priority for x in blocks], 1))
+        its parents re-pointed into the stack (-1, a child of the root, becomes 0); the rows where
+        ``speculate`` ``bool[B]`` is False (default: none) lose every candidate. One fused op
+        (kernels/stack.py)."""
+        if speculate is None:
+            speculate = torch.ones(rooted.tokens.shape[0], dtype=torch.bool,
+                                   device=rooted.tokens.device)
+        blocks = [x for block in (rooted, *parts) for x in block.fields()]
+        return Candidates(*stack_candidates(blocks, speculate))

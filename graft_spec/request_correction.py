@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .calibration import apply_correction, from_fixed, linear_correction, to_fixed
+from .calibration import apply_correction, from_fixed, to_fixed
+from .kernels.factors import request_factors
 from .sources import SOURCE_SUCCESSOR, NUM_MEMBERS, RETRIEVAL_SOURCES
 
 __all__ = ["RequestCorrection", "CORRECTED_MEMBERS", "window_update"]
@@ -66,6 +67,7 @@ class RequestCorrection:
         self.recent = torch.zeros(max(1, slots), NUM_MEMBERS, 3, device=self.device)
         self._on = torch.zeros(NUM_MEMBERS, dtype=torch.bool, device=self.device)
         self._on[list(CORRECTED_MEMBERS)] = True
+        self._off = torch.zeros_like(self._on)
 
     @property
     def enabled(self) -> bool:
@@ -84,10 +86,8 @@ class RequestCorrection:
     def factors(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale float32[B, NUM_MEMBERS], under bool[B, NUM_MEMBERS])`` of the rows' slots
         ``int64[B]``; the identity (1, False) for members not in `CORRECTED_MEMBERS` and when off."""
-        t, e, h = self.recent.index_select(0, slot_ids.to(torch.int64)).unbind(2)
-        scale, under = linear_correction(t, e, h, self.pseudo_trials)
-        on = self._on if self.enabled else torch.zeros_like(self._on)
-        return torch.where(on, scale, 1.0), under & on
+        on = self._on if self.enabled else self._off
+        return request_factors(self.recent, slot_ids, on, self.pseudo_trials)
 
     @staticmethod
     def price(est: torch.Tensor, member: "int | torch.Tensor", factors: tuple[torch.Tensor, torch.Tensor]

@@ -40,15 +40,16 @@ from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
 from .kernels.draft_part import draft_part
+from .kernels.chain_part import chain_part
 from .kernels.host_part import host_part, reanchor_arrays
+from .kernels.successor_part import successor_part
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
-from .request_correction import RequestCorrection
 from .retrieval.buffer import HostCandidates
-from .retrieval.lookup import LOOKUP_MAX_MATCH, lookup_propose
+from .retrieval.lookup import LOOKUP_MAX_MATCH
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
-from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
+from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
 __all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
@@ -156,7 +157,8 @@ class StepOutput:
         gain: ``float32[B, P - 1]`` expected accepted nodes of a tree of every width 2..P from the
             same candidates (P = the config's ``num_draft_tokens``; `merge_select`), or None.
         factors: the rows' per-request correction the round was priced with
-            (`RequestCorrection.factors`: ``(scale float32[B, NUM_MEMBERS], under bool[B, NUM_MEMBERS])``),
+            (`request_correction.RequestCorrection.factors`: ``(scale float32[B, NUM_MEMBERS], under
+            bool[B, NUM_MEMBERS])``),
             or None (off, or a tree built another way); the update's metrics read it.
     """
 
@@ -287,64 +289,41 @@ class GraftStep:
         refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
         return Candidates(tokens, parents, est_n, valid_n, bins_n, member, torch.where(keep, math.inf, refill))
 
-    @staticmethod
-    def _price(est_table: torch.Tensor, bins: torch.Tensor, member, factors) -> torch.Tensor:
-        """``est_table[bins]`` through the rows' per-request correction (request_correction.py;
-        ``member``: int or int64 broadcastable to ``bins``; ``factors`` None = none)."""
-        est = est_table[bins]
-        return est if factors is None else RequestCorrection.price(est, member, factors)
-
     def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
                         est_table: torch.Tensor, factors=None) -> Candidates:
-        """The successor table's template expanded from every root (retrieval/successor.py)."""
-        succ = self.successor
-        tokens, valid = succ.expand(roots, groups)
-        t = succ.size
-        b = roots.shape[0]
-        bins = self.calibrator.successor_bins(t, sampled)
-        est = torch.where(valid, self._price(est_table, bins, SOURCE_SUCCESSOR, factors), 0.0)
-        parents = succ.t_parent.expand(b, t)
-        return Candidates(tokens, parents, est, valid, torch.where(valid, bins, -1),
-                          torch.full_like(tokens, SOURCE_SUCCESSOR))
+        """The successor table's template expanded from every root and priced: one fused op
+        (kernels/successor_part.py; retrieval/successor.py)."""
+        succ, cal = self.successor, self.calibrator
+        scale, under = factors if factors is not None else cal.identity(roots.shape[0])
+        return Candidates(*successor_part(roots, groups, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth,
+                                          est_table, scale, under, succ.rows, succ.vocab_size, succ.levels,
+                                          cal.layout.offset(SOURCE_SUCCESSOR), cal.layout.per_mode))
 
     def _chain_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
                     est_table: torch.Tensor, factors=None) -> Optional[Candidates]:
-        """The device chain sources' candidates, priced by depth and match length in one pass: the
-        lookup's chain (retrieval/lookup.py) then the output index's two (retrieval/output_ring.py, on
-        the rows ``retrieval.outputs`` gives them to; default greedy), each ``D = pool - 1`` deep,
-        node t of a chain at depth t + 1. None when both sources are off."""
-        chains = []                                                  # (tokens, valid, match [B, C(, D)], member)
-        if self.config.retrieval.lookup:
-            tok, valid, match = lookup_propose(hist, count, LOOKUP_MAX_MATCH, self.pool - 1)
-            chains.append((tok[:, None], valid[:, None], match[:, None], SOURCE_LOOKUP))
-        if self.outputs is not None:
-            tok, valid, match = self.outputs.propose(hist, count, groups)
-            rows = _mode_rows(self.config.retrieval.outputs_modes, sampled)
-            if rows is not None:
-                valid = valid & rows[:, None, None]
-            chains.append((tok, valid, match, SOURCE_OUTPUTS))
-        if not chains:
+        """The device chain sources' candidates, priced by depth and match length: the lookup's chain
+        (retrieval/lookup.py) then the output index's two (retrieval/output_ring.py, on the rows
+        ``retrieval.outputs`` gives them to; default greedy), each ``D = pool - 1`` deep, node t of a
+        chain at depth t + 1; one fused op (kernels/chain_part.py). None when both sources are off."""
+        lookup, ring = self.config.retrieval.lookup, self.outputs
+        if not lookup and ring is None:
             return None
-        tokens = torch.cat([ch[0] for ch in chains], 1)
-        b, c, d = tokens.shape
-        dev = tokens.device
-        members = torch.cat([torch.full((b, t.shape[1] * d), m, dtype=torch.int64, device=dev)
-                             for t, _, _, m in chains], 1)
-        depth = torch.arange(1, d + 1, device=dev).repeat(c).expand(b, c * d)
-        match = torch.cat([ch[2] for ch in chains], 1)
-        bins = self.calibrator.retrieval_bins(members, depth, torch.zeros(b, c * d, device=dev),
-                                              match.repeat_interleave(d, dim=1), sampled)
-        valid = torch.cat([ch[1] for ch in chains], 1).reshape(b, c * d)
-        est = torch.where(valid, self._price(est_table, bins, members, factors), 0.0)
-        chain = torch.arange(-1, d - 1, device=dev)
-        parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d)
-        return Candidates(tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members)
+        cal = self.calibrator
+        scale, under = factors if factors is not None else cal.identity(hist.shape[0])
+        rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m)
+              if ring is not None else (None,) * 7)
+        return Candidates(*chain_part(hist, count, groups, sampled, est_table, scale, under, cal._retrieval_base,
+                                      cal.logp_edges, cal.depth_edges, cal.match_edges, *rt,
+                                      list(ring.lengths) if ring is not None else [], self.pool - 1,
+                                      LOOKUP_MAX_MATCH if lookup else 0, cal.layout.per_mode,
+                                      *self.config.retrieval.outputs_modes))
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
                    factors=None) -> Candidates:
         """The host proposals (suffix, corpus) re-anchored at the device's root and priced: one
-        fused op (kernels/host_part.py; its reference: `reanchor`, the retrieval bins, `_price`)."""
+        fused op (kernels/host_part.py; its reference: `reanchor`, the retrieval bins, the per-request
+        correction)."""
         cal = self.calibrator
         scale, under = factors if factors is not None else cal.identity(host.tokens.shape[0])
         return Candidates(*host_part(host.tokens, host.parents, host.logp, host.match, host.member, host.anchor_len,
@@ -415,8 +394,8 @@ class GraftStep:
         """
         if retrieved is None:
             retrieved = self.retrieve(roots, host, hist, count, seq_lens, sampled, est_table, factors)
-        cands = Candidates.stack(self._draft_part(draft, roots, sampled, est_table), retrieved)
-        cands.valid = cands.valid & host.speculate[:, None]                        # per-request opt-out
+        cands = Candidates.stack(self._draft_part(draft, roots, sampled, est_table), retrieved,
+                                 host.speculate)                                  # per-request opt-out
         tree, member_bins, gain = merge_select(
             cands, self.n, self.config.graft, gain_nodes=self.pool, sampled=sampled,
             agreement=((self.calibrator.layout.offset(SOURCE_AGREE), est_table,

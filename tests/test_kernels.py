@@ -2,8 +2,7 @@
 
 The bit-for-bit comparisons run in a subprocess under ``TRITON_INTERPRET=1`` (Triton must see the
 switch before it is imported; this session's Triton was imported by SGLang already):
-tests/interpret/test_kernels_interpreted.py (tree layout) and test_bookkeeping_interpreted.py (observe,
-table refresh, successor update).
+tests/interpret/test_*_interpreted.py, one file per group of kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = ("test_kernels_interpreted.py", "test_bookkeeping_interpreted.py")
+#: every kernel-against-reference file, run in one interpreter subprocess
+INTERPRETED = sorted(p.name for p in (ROOT / "tests" / "interpret").glob("test_*_interpreted.py"))
 
 
 def test_fused_kernels_equal_their_references_under_the_interpreter():

@@ -1,36 +1,19 @@
 """The fused selection op ``graft::merge_select`` (graft_spec/kernels/select.py): equal to its torch
 reference under Triton's interpreter, one op to the dispatcher, traceable.
 
-The bit-for-bit comparisons run in a subprocess under ``TRITON_INTERPRET=1`` (Triton must see the
-switch before it is imported): tests/interpret/test_select_interpreted.py.
+The bit-for-bit comparisons: tests/interpret/test_select_interpreted.py, run by tests/test_kernels.py
+in a subprocess under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 import torch
 
 from graft_spec.candidates import Candidates
 from graft_spec.config import GraftPolicy
 from graft_spec.graft import merge_select
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_select_kernel_equals_its_reference_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(ROOT / "tests" / "interpret" / "test_select_interpreted.py")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    tail = run.stdout[-3000:] + run.stderr[-2000:]
-    assert run.returncode == 0, tail
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
 
 
 def _cands(b=3, u=12, seed=0):

@@ -29,7 +29,7 @@ import torch
 
 from ..retrieval.lookup import lookup_propose
 from ..retrieval.output_ring import CHAINS, _tail_hashes
-from ..sources import SOURCE_LOOKUP, SOURCE_OUTPUTS, SOURCE_SUFFIX
+from ..sources import SOURCE_LOOKUP, SOURCE_OUTPUTS
 from ..tree import HASH_ADD, HASH_MIX
 from .layout import _EVERYWHERE, fused_enabled, triton
 
@@ -127,6 +127,10 @@ def chain_part_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.
     Raises:
         ValueError: both sources off (the step has no chain part then).
     """
+    from ..calibration import retrieval_bin_ids
+    from ..request_correction import RequestCorrection
+    from ..step import _mode_rows
+
     chains = []                                                  # (tokens, valid, match [B, C(, D)], member)
     if lookup_max_match > 0:
         tok, valid, match = lookup_propose(hist, count, lookup_max_match, depth)
@@ -134,8 +138,8 @@ def chain_part_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.
     if ring is not None:
         tok, valid, match = outputs_propose_reference(hist, count, groups, ring, ring_tag, ring_table, ring_total,
                                                       ring_lengths, ring_pow_r, ring_pow_m, match_lengths, depth)
-        if not (outputs_greedy and outputs_sampled):             # step.py `_mode_rows`
-            rows = ~sampled if outputs_greedy else (sampled if outputs_sampled else torch.zeros_like(sampled))
+        rows = _mode_rows((outputs_greedy, outputs_sampled), sampled)
+        if rows is not None:
             valid = valid & rows[:, None, None]
         chains.append((tok, valid, match, SOURCE_OUTPUTS))
     if not chains:
@@ -147,19 +151,10 @@ def chain_part_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.
                          for t, _, _, m in chains], 1)
     node_depth = torch.arange(1, d + 1, device=dev).repeat(c).expand(b, c * d)
     match = torch.cat([ch[2] for ch in chains], 1).repeat_interleave(d, dim=1)
-    # Calibrator.retrieval_bins(members, node_depth, zeros, match, sampled)
-    num_q, num_depth, num_match = logp_edges.numel() + 1, depth_edges.numel() + 1, match_edges.numel() + 1
-    x = torch.nan_to_num(torch.zeros(b, c * d, device=dev).float(), nan=-float("inf"))
-    q_bin = (num_q - 1 - torch.bucketize(x.contiguous(), logp_edges, right=True)).clamp(0, num_q - 1)
-    d_bin = torch.bucketize(node_depth.contiguous(), depth_edges, right=False).clamp(max=num_depth - 1)
-    m_bin = torch.bucketize(match.clamp(min=1).contiguous(), match_edges, right=False).clamp(max=num_match - 1)
-    within = (d_bin * num_q + q_bin) * num_match + m_bin
-    bins = retrieval_base[members.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)] + within + (sampled.to(torch.int64)
-                                                                                   * per_mode)[:, None]
+    bins = retrieval_bin_ids(members, node_depth, torch.zeros(b, c * d, device=dev), match, sampled, retrieval_base,
+                             logp_edges, depth_edges, match_edges, per_mode)
     valid = torch.cat([ch[1] for ch in chains], 1).reshape(b, c * d)
-    base = est_table[bins]
-    sc, un = scale.gather(1, members), under.gather(1, members)
-    est = torch.where(valid, torch.where(un, 1.0 - (1.0 - base) * sc, base * sc), 0.0)   # apply_correction
+    est = torch.where(valid, RequestCorrection.price(est_table[bins], members, (scale, under)), 0.0)
     chain = torch.arange(-1, d - 1, device=dev)
     parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d).clone()
     return tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members

@@ -80,7 +80,7 @@ def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch
                         depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The host proposals re-anchored at the device's root and priced: ``GraftStep._host_part``
-    (graft_spec/step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and ``GraftStep._price``).
+    (graft_spec/step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and ``RequestCorrection.price``).
 
     Args:
         tokens, parents, logp, match, member: the `HostCandidates` fields, ``[B, M]``: ``int64``
@@ -107,15 +107,16 @@ def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch
         parents under the new root (-1 = child of the root); ``float32`` estimates (0 where invalid);
         ``bool`` valid; ``int64`` calibration bins (-1 where invalid); the input members.
     """
-    from ..calibration import apply_correction, retrieval_bin_ids
+    from ..calibration import retrieval_bin_ids
+    from ..request_correction import RequestCorrection
 
     new_par, rel_depth, lp, rel_match, valid = reanchor_arrays(tokens, parents, logp, match, member, anchor_len,
                                                                hist, count, seq_lens)
     bins = retrieval_bin_ids(member, rel_depth.clamp(min=1), lp, rel_match, sampled, retrieval_base, logp_edges,
                              depth_edges, match_edges, per_mode)
-    # `GraftStep._price` -> `RequestCorrection.price`
+    # the per-request correction
     mc = member.clamp(0, scale.shape[1] - 1)
-    est = torch.where(valid, apply_correction(est_table[bins], scale.gather(1, mc), under.gather(1, mc)), 0.0)
+    est = torch.where(valid, RequestCorrection.price(est_table[bins], mc, (scale, under)), 0.0)
     return tokens, new_par, est, valid, torch.where(valid, bins, -1), member
 
 

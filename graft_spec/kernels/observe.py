@@ -222,7 +222,8 @@ def observe_rows_triton(bins, on_path, depth, source, estimates, base, group, sc
             trials, hits, src_recent, rc_recent, hist_tokens, hist_count, sources, members, depths, expected,
             float(rc_window), N=n, M=m, G=max(g, 1), K=k, W=committed.shape[1], L=hist_tokens.shape[1],
             MAXD=max_depth, SOURCE_WINDOW=bool(source_window), RC_ON=rc_window > 0, BN=p2(max(n, 2)),
-            BM=p2(max(m, 2)), BD=p2(max_depth + 1), BK=p2(max(k, 2)), BL=p2(max(hist_tokens.shape[1], 2)))
+            BM=p2(max(m, 2)), BD=p2(max_depth + 1), BK=p2(max(k, 2)), BL=p2(max(hist_tokens.shape[1], 2)),
+            enable_fp_fusion=False)
     return sources, members, depths, expected
 
 

@@ -33,6 +33,29 @@ __all__ = ["successor_part", "successor_part_reference", "successor_part_triton"
 _Out = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def expand_template(roots: torch.Tensor, groups: "torch.Tensor | int", table: torch.Tensor, t_parent: torch.Tensor,
+                    t_rank: torch.Tensor, t_depth: torch.Tensor, rows: int, vocab: int, levels: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The successor template filled under every root token, one gather per template depth
+    (`SuccessorTable.expand`, retrieval/successor.py, which documents the rule).
+
+    Args:
+        roots: ``int64[B]``; groups: ``int64[B, 1]`` (or one int) isolation groups; table, t_parent,
+            t_rank, t_depth, rows, vocab: the `SuccessorTable`'s; levels: ``max(t_depth)``.
+    Returns:
+        ``(tokens int64[B, T], valid bool[B, T])``: tokens 0 where not valid (an empty entry, or an
+        ancestor's).
+    """
+    b, t, k = roots.shape[0], t_parent.shape[0], table.shape[1]
+    root_row = table_rows(roots.to(torch.int64).reshape(b, 1), groups, rows, vocab)[0]
+    flat = table.view(-1)
+    toks = torch.full((b, t), -1, dtype=torch.int64, device=roots.device)
+    for d in range(1, levels + 1):                                     # one gather per template depth
+        prow = root_row.expand(b, t) if d == 1 else table_rows(toks[:, t_parent.clamp(min=0)], groups, rows, vocab)[0]
+        toks = torch.where(t_depth == d, flat[prow * k + t_rank].to(torch.int64), toks)  # rows of empty parents: -1
+    return toks.clamp(min=0), toks >= 0
+
+
 def successor_part_reference(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor,
                              t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
                              est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
@@ -58,21 +81,13 @@ def successor_part_reference(roots: torch.Tensor, groups: torch.Tensor, sampled:
         bins int64[B, T], member int64[B, T])``, a `Candidates` block (candidates.py): tokens 0 and
         est 0 where not valid, bins -1 where not valid, member ``SOURCE_SUCCESSOR``.
     """
-    b = roots.shape[0]
-    t = t_parent.shape[0]
-    k = table.shape[1]
-    g = groups.reshape(b, 1).to(torch.int64)
-    root_row = table_rows(roots.to(torch.int64).reshape(b, 1), g, rows, vocab)[0]
-    flat = table.view(-1)
-    toks = torch.full((b, t), -1, dtype=torch.int64, device=roots.device)
-    for d in range(1, levels + 1):                                     # one gather per template depth
-        prow = root_row.expand(b, t) if d == 1 else table_rows(toks[:, t_parent.clamp(min=0)], g, rows, vocab)[0]
-        toks = torch.where(t_depth == d, flat[prow * k + t_rank].to(torch.int64), toks)  # rows of empty parents: -1
-    tokens, valid = toks.clamp(min=0), toks >= 0
+    from ..request_correction import RequestCorrection
+
+    b, t = roots.shape[0], t_parent.shape[0]
+    tokens, valid = expand_template(roots, groups.reshape(b, 1).to(torch.int64), table, t_parent, t_rank, t_depth,
+                                    rows, vocab, levels)
     bins = (torch.arange(t, device=roots.device) + bin_offset)[None, :] + (sampled.to(torch.int64) * per_mode)[:, None]
-    base = est_table[bins]
-    sc, un = scale[:, SOURCE_SUCCESSOR, None], under[:, SOURCE_SUCCESSOR, None]
-    est = torch.where(valid, torch.where(un, 1.0 - (1.0 - base) * sc, base * sc), 0.0)   # apply_correction
+    est = torch.where(valid, RequestCorrection.price(est_table[bins], SOURCE_SUCCESSOR, (scale, under)), 0.0)
     return (tokens, t_parent.expand(b, t).clone(), est, valid, torch.where(valid, bins, -1),
             torch.full_like(tokens, SOURCE_SUCCESSOR))
 

@@ -226,33 +226,7 @@ class OutputRing:
             of a chain at depth t + 1 (its parent is node t - 1, the root for t = 0); ``match`` = the
             matched tail length (0 = no match, nothing valid).
         """
-        b, length = hist.shape
-        dev = hist.device
-        cap = self.capacity
-        groups = groups.to(torch.int64)
-        oldest = self.total - cap                                                   # positions after it are held
-        kk = sum(1 for m in self.lengths if m <= length)                           # static: tails the window holds
-        mm = self.lengths[kk - 1]
-        lens = self._lengths[:kk]
-        tail_rev = hist[:, length - mm:].flip(1)                                    # [B, mm], root first
-        slot = _tail_hashes(tail_rev, groups, lens, self._pow_r[:mm], self._pow_m[:kk]) & (self.slots - 1)
-        ps = self.table[:kk].gather(1, slot.t()).t()                                # [B, K] latest positions
-        back = torch.arange(mm, device=dev)
-        at = (ps[:, :, None] - back).clamp(min=0) % cap                             # [B, K, mm]
-        same = (self.ring[at] == tail_rev[:, None, :]) | (back >= lens[:, None])  # only the first m count
-        oks = ((ps >= 0) & (ps - lens + 1 > oldest) & (count[:, None] >= lens) & same.all(dim=2)
-               & (self.tag[ps.clamp(min=0) % cap] == groups[:, None]))
-        nxt = self.ring.gather(0, ((ps + 1).clamp(min=0) % cap).reshape(-1)).view(b, kk)
-        oks = oks & (nxt >= 0) & (ps + 1 < self.total)                              # a continuation exists
-        ar = torch.arange(kk, device=dev)
-        first = torch.where(oks, ar, -1).amax(dim=1)                                # longest verified
-        first_tok = nxt.gather(1, first.clamp(min=0)[:, None])
-        second = torch.where(oks & (nxt != first_tok), ar, -1).amax(dim=1)
-        pick = torch.stack([first, second], 1)                                      # [B, CHAINS]
-        p_sel = ps.gather(1, pick.clamp(min=0))
-        match = torch.where(pick >= 0, lens[pick.clamp(min=0)], 0)
-        idx = p_sel[:, :, None] + 1 + torch.arange(self.depth, device=dev)
-        tokens = self.ring.gather(0, (idx.clamp(min=0) % cap).reshape(-1)).view(b, CHAINS, self.depth)
-        live = (tokens >= 0) & (idx < self.total) & (match > 0)[:, :, None]
-        valid = torch.cumprod(live.to(torch.int64), dim=2).bool()
-        return torch.where(valid, tokens, 0), valid, match
+        from ..kernels.chain_part import outputs_propose_reference
+
+        return outputs_propose_reference(hist, count, groups, self.ring, self.tag, self.table, self.total, self._lengths,
+                                         self._pow_r, self._pow_m, list(self.lengths), self.depth)

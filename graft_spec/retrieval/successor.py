@@ -30,6 +30,7 @@ import math
 import torch
 
 from ..kernels.successor import last_writer, successor_update, table_rows
+from ..kernels.successor_part import expand_template
 
 __all__ = ["SuccessorTable", "rank_template", "template_prior"]
 
@@ -102,13 +103,7 @@ class SuccessorTable:
         self.t_rank = torch.tensor(rk, dtype=torch.int64, device=self.device)
         self.t_depth = torch.tensor(dep, dtype=torch.int64, device=self.device)
         self.slot_prior = torch.tensor(template_prior(par, rk, prior, decay), device=self.device)
-        # one (slots, their parent slots, ranks) triple per template depth, built once
-        self._levels = []
-        for d in range(1, max(dep) + 1):
-            idx = [u for u in range(len(par)) if dep[u] == d]
-            self._levels.append((torch.tensor(idx, dtype=torch.int64, device=self.device),
-                                 torch.tensor([par[u] for u in idx], dtype=torch.int64, device=self.device),
-                                 torch.tensor([rk[u] for u in idx], dtype=torch.int64, device=self.device)))
+        self.levels = max(dep)                      # the template's deepest level
 
     def memory_bytes(self) -> int:
         return self.table.numel() * self.table.element_size()
@@ -138,15 +133,9 @@ class SuccessorTable:
             ancestor's) is empty. Parents are `t_parent` (shared by all rows).
         """
         b = roots.shape[0]
-        k = self.k
-        g = groups.reshape(b, 1) if isinstance(groups, torch.Tensor) else groups
-        root_row = self.row_of(roots.to(self.device, torch.int64).reshape(b, 1), g)
-        flat = self.table.view(-1)
-        toks = torch.full((b, self.size), -1, dtype=torch.int64, device=self.device)
-        for d, (idx, par, rk) in enumerate(self._levels):
-            prow = root_row.expand(b, idx.numel()) if d == 0 else self.row_of(toks[:, par], g)
-            toks[:, idx] = flat[prow * k + rk].to(torch.int64)   # rows of empty parents are -1
-        return toks.clamp(min=0), toks >= 0
+        g = groups.reshape(b, 1).to(torch.int64) if isinstance(groups, torch.Tensor) else groups
+        return expand_template(roots.to(self.device), g, self.table, self.t_parent, self.t_rank, self.t_depth,
+                               self.rows, self.vocab_size, self.levels)
 
     # ------------------------------------------------------------------ updates
     def _keep_empty_rows(self) -> None:

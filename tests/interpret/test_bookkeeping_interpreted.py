@@ -156,3 +156,22 @@ def test_successor_kernel_equals_reference(m, seed, k2, groups, rows):
         fn(t, tokens, topk, valid, grp, succ.rows, vocab)
         tables.append(t)
     assert torch.equal(tables[0], tables[1])
+
+
+@settings(max_examples=10, deadline=None)
+@given(b=st.sampled_from([1, 16, 64]), seed=st.integers(0, 2 ** 31 - 1), window=st.sampled_from([0.0, 64.0]))
+def test_request_factors_kernel_equals_reference(b, seed, window):
+    from graft_spec.kernels.factors import factors_reference, factors_triton
+    from graft_spec.request_correction import RequestCorrection
+    from graft_spec.sources import NUM_MEMBERS
+
+    g = torch.Generator().manual_seed(seed)
+    rc = RequestCorrection(b + 3, window)
+    t = torch.randint(0, 80, (b + 3, NUM_MEMBERS), generator=g).float() * torch.rand(b + 3, NUM_MEMBERS, generator=g)
+    rc.recent.copy_(torch.stack([t, t * torch.rand(t.shape, generator=g), t * torch.rand(t.shape, generator=g)], 2))
+    rc.recent[0] = 0.0                                                        # an empty window: the identity
+    slots = torch.randperm(b + 3, generator=g)[:b]
+    on = rc._on if rc.enabled else rc._off
+    for f, r in zip(factors_triton(rc.recent, slots, on, rc.pseudo_trials),
+                    factors_reference(rc.recent, slots, on, rc.pseudo_trials)):
+        assert f.dtype == r.dtype and torch.equal(f, r)

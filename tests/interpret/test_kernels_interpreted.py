@@ -120,3 +120,21 @@ def test_draft_part_kernel_equals_reference(b, n, seed, mode, by_logq, draft_nod
 
 def test_draft_part_kernel_at_batch_64():
     test_draft_part_kernel_equals_reference.hypothesis.inner_test(64, 60, 7, "adversarial", False, True)
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.sampled_from([1, 5, 64]), widths=st.lists(st.integers(1, 130), min_size=1, max_size=4),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_stack_kernel_equals_reference(b, widths, seed):
+    from graft_spec.kernels.stack import stack_reference, stack_triton
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for w in widths:
+        blocks += [torch.randint(0, 500, (b, w), generator=g), torch.randint(-1, w, (b, w), generator=g),
+                   torch.rand(b, w, generator=g), torch.rand(b, w, generator=g) < 0.5,
+                   torch.randint(-1, 900, (b, w), generator=g), torch.randint(0, 7, (b, w), generator=g),
+                   torch.where(torch.rand(b, w, generator=g) < 0.1, float("inf"), torch.rand(b, w, generator=g))]
+    speculate = torch.rand(b, generator=g) < 0.8
+    for f, r in zip(stack_triton(blocks, speculate), stack_reference(blocks, speculate)):
+        assert f.dtype == r.dtype and f.shape == r.shape and torch.equal(f, r)

@@ -1,0 +1,100 @@
+"""The rows' per-request correction in one kernel (request_correction.py `RequestCorrection.factors`).
+
+Each row reads its slot's window per member source (trials, sum of estimates, hits) and turns it
+into `calibration.linear_correction`'s ``(scale, under)``; members outside the corrected set get the
+identity. Reference: `factors_reference` (torch, ~25 ops). Fused: `_factors_kernel`, one Triton
+program per request doing the same float operations in the same order, compiled without fused
+multiply-add, so the two agree bit for bit. The op ``graft::request_factors`` has the reference as
+its CPU implementation and the kernel as its CUDA implementation; `request_factors` dispatches like
+`tree_layout` (layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import _EVERYWHERE, fused_enabled, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["request_factors", "factors_reference", "factors_triton"]
+
+
+def factors_reference(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tensor, pseudo_trials: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale float32[B, M], under bool[B, M])`` of the windows ``recent`` ``float32[slots, M, 3]``
+    of slots ``slot_ids`` ``int64[B]``; members where ``on`` ``bool[M]`` is False get (1, False).
+    Source: request_correction.py ``RequestCorrection.factors``."""
+    from ..calibration import linear_correction
+
+    t, e, h = recent.index_select(0, slot_ids.to(torch.int64)).unbind(2)
+    scale, under = linear_correction(t, e, h, pseudo_trials)
+    return torch.where(on, scale, 1.0), under & on
+
+
+if triton is not None:
+    @triton.jit
+    def _factors_kernel(recent_ptr, slot_ptr, on_ptr, scale_ptr, under_ptr, pseudo, M: tl.constexpr,
+                        BM: tl.constexpr):
+        """One request per program; members as lanes."""
+        b = tl.program_id(0)
+        c = tl.arange(0, BM)
+        live = c < M
+        row = recent_ptr + tl.load(slot_ptr + b) * M * 3 + c * 3
+        t = tl.load(row, mask=live, other=0.0)
+        e = tl.load(row + 1, mask=live, other=0.0)
+        h = tl.load(row + 2, mask=live, other=0.0)
+        # `calibration.linear_correction`, operation for operation
+        pe = pseudo * e / tl.maximum(t, 1e-6)
+        pm = pseudo - pe
+        seen = t >= 1.0
+        hs = tl.minimum(tl.where(seen, (h + pe) / tl.maximum(e + pe, 1e-6), 1.0), 1.0)
+        ms = tl.minimum(tl.where(seen, (t - h + pm) / tl.maximum(t - e + pm, 1e-6), 1.0), 1.0)
+        under = h > e
+        on = tl.load(on_ptr + c, mask=live, other=0) != 0
+        tl.store(scale_ptr + b * M + c, tl.where(on, tl.where(under, ms, hs), 1.0), mask=live)
+        tl.store(under_ptr + b * M + c, under & on, mask=live)
+
+
+def factors_triton(recent, slot_ids, on, pseudo_trials: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`factors_reference` as one Triton launch (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``). Same arguments and results.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("graft request_factors: Triton is not installed")
+    b, m = slot_ids.shape[0], recent.shape[1]
+    scale = torch.empty(b, m, dtype=torch.float32, device=recent.device)
+    under = torch.empty(b, m, dtype=torch.bool, device=recent.device)
+    if b > 0:
+        _factors_kernel[(b,)](recent, slot_ids, on, scale, under, float(pseudo_trials), M=m,
+                              BM=triton.next_power_of_2(max(m, 2)), enable_fp_fusion=False)
+    return scale, under
+
+
+@torch.library.custom_op("graft::request_factors", mutates_args=())
+def _factors_op(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tensor, pseudo_trials: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return factors_reference(recent, slot_ids, on, pseudo_trials)
+
+
+@_factors_op.register_fake
+def _(recent, slot_ids, on, pseudo_trials):
+    b, m = slot_ids.shape[0], recent.shape[1]
+    return recent.new_empty((b, m)), recent.new_empty((b, m), dtype=torch.bool)
+
+
+if triton is not None:
+    _factors_op.register_kernel("cuda")(factors_triton)
+
+
+def request_factors(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tensor, pseudo_trials: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`factors_reference`'s contract: one fused launch on a CUDA device (or inside
+    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
+    if (recent.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+        return torch.ops.graft.request_factors(recent, slot_ids, on, pseudo_trials)
+    return factors_reference(recent, slot_ids, on, pseudo_trials)
