@@ -4,19 +4,13 @@
   llm_base_proposer.py:511-773, loop at :688; no tree attention, see docs/vllm.md) still sees at
   every depth the logits that give the top-k siblings of that token. The resulting "spine" tree is a valid
   EAGLE draft tree: depth d holds the k best children of the depth d-1 spine node.
-* `best_chain`: the root-to-node path with the highest expected accepted length.
-  With one-hot draft probabilities a chain's token at depth d is accepted iff every
-  token before it is, so E[accepted] = sum over path nodes of P(path prefix accepted),
-  and ``DraftTree.logp`` is exactly log P(path accepted) (draft: cumulative draft
-  log-prob; retrieved: log of the estimated path acceptance; graft.py docstring).
 * `cap_depth`: drops retrieved candidates deeper than the longest chain the engine verifies,
-  so they do not take tree slots `best_chain` could never pick (`GraftPlanner.build_chains`).
+  so they do not take tree slots no chain could use (`GraftPlanner.build_chains`).
 * `ChainPricer`: the chain choice with its own calibration (what the vLLM adapter uses). A tree
   prices a retrieved token beside the draft's; a chain must pick one of them, and there the tree's
   estimates mislead: a retrieval source's estimate is its average over all its nodes, but at a fork
   under the draft's path (the retrieved token differs from the draft's top-1) it is accepted far
-  less often (shipped pair, code greedy: 3 of 35 retrieved first tokens chosen over the draft's
-  were accepted, estimated 0.45 each), and the sibling caps (`graft.sibling_caps`) leave the
+  less often than that average, and the sibling caps (`graft.sibling_caps`) leave the
   draft's top-1 the residual of those over-estimates (often 0). `ChainPricer` prices every node by
   its conditional acceptance given its parent (the draft's own probability for drafted tokens, the
   tree's estimate ratio for the others), corrected per (mode, fork, class, depth) cell by what the
@@ -35,7 +29,7 @@ import torch
 from .sources import NUM_MEMBERS, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_PADDING
 from .tree import DraftTree, ancestor_mask, node_depths, node_paths, path_min, pointer_jumps
 
-__all__ = ["spine_tree", "best_chain", "cap_depth", "Chain", "ChainPricer"]
+__all__ = ["spine_tree", "cap_depth", "Chain", "ChainPricer"]
 
 
 def spine_tree(root_tokens: torch.Tensor, level_logp: torch.Tensor, level_ids: torch.Tensor) -> DraftTree:
@@ -76,40 +70,6 @@ def spine_tree(root_tokens: torch.Tensor, level_logp: torch.Tensor, level_ids: t
         logp=torch.cat([torch.zeros(b, 1, device=dev), logp], 1),
         source=torch.full((b, n), SOURCE_DRAFT, dtype=torch.int64, device=dev),
     )
-
-
-def best_chain(tree: DraftTree, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Root-to-node path with the largest expected accepted length, at most ``max_len`` tokens.
-
-    Node acceptance probabilities are ``exp(path_min(logp))`` (made monotone along the
-    path, as graft does; padding and ``-inf`` nodes count 0). The expected accepted
-    length of the path ending at node v is the sum of those over v and its non-root
-    ancestors; ties go to the lowest node index (so the shorter of two equal paths).
-
-    Args:
-        tree: hybrid tree ``[B, N]`` (e.g. `GraftPlanner.build` output).
-        max_len: K >= 0, the most draft tokens vLLM verifies for a request.
-    Returns:
-        ``(tokens int64[B, K] (-1 after the chain), length int64[B], expected float32[B])``.
-    """
-    b, n = tree.tokens.shape
-    dev = tree.device
-    if max_len <= 0:
-        return (torch.empty(b, 0, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
-                torch.zeros(b, device=dev))
-    jumps = pointer_jumps(tree.parents)
-    depth = node_depths(tree.parents, jumps)
-    logp = path_min(torch.nan_to_num(tree.logp.float(), nan=-math.inf), tree.parents, jumps)
-    p = torch.where((depth >= 1) & (depth <= max_len), logp.exp(), torch.zeros((), device=dev))
-    mask = ancestor_mask(tree.parents, jumps)
-    expected = (mask.float() @ p[:, :, None]).squeeze(-1)                             # [B, N]
-    expected = torch.where(depth <= max_len, expected, torch.full((), -1.0, device=dev))
-    best = expected.argmax(dim=1)                                                     # first max
-    length = depth.gather(1, best[:, None]).squeeze(1)
-    paths = node_paths(tree.parents, max_depth=max_len, mask=mask)                   # [B, N, K+1]
-    nodes = paths.gather(1, best[:, None, None].expand(b, 1, max_len + 1)).squeeze(1)[:, 1:]
-    tokens = torch.where(nodes >= 0, tree.tokens.gather(1, nodes.clamp(min=0)), -1)
-    return tokens, length, expected.gather(1, best[:, None]).squeeze(1)
 
 
 def cap_depth(parts: list, max_depth: int) -> list:

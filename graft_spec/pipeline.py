@@ -34,7 +34,7 @@ import torch
 
 from .budget import BatchBudget
 from .calibration import BinLayout, Calibrator
-from .chain import best_chain, cap_depth, spine_tree
+from .chain import Chain, ChainPricer, cap_depth, spine_tree
 from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
 from .graphs import StepGraphs
@@ -49,6 +49,7 @@ from .kernels import fused_ops_everywhere
 from .kernels.observe import gain_columns, observe_rows
 from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
+from .stats import GraftStats, prometheus_enabled
 from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, SOURCE_LETTERS, SOURCE_NAMES,
                       SOURCE_PADDING)
 from .tree import (DraftTree,
@@ -72,7 +73,9 @@ __all__ = [
     "GRAFTED_SOURCES",
     # reference tree / verify functions (an engine's CPU execution layer) and chain verification
     "ancestor_mask", "node_depths", "sibling_links", "parents_from_mask", "eagle_step", "greedy_verify",
-    "sample_verify", "best_chain", "spine_tree",
+    "sample_verify", "spine_tree", "Chain", "ChainPricer",
+    # serving statistics (host accumulators, graft:* Prometheus series)
+    "GraftStats", "prometheus_enabled",
     # the fused kernels' switch for op counting (graft_spec/kernels)
     "fused_ops_everywhere",
 ]

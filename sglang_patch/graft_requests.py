@@ -15,7 +15,7 @@ with the tokens the *host* knows, and records what graft contributed:
   (`graft_spec.sources.SOURCE_LETTERS`: ``d`` draft, ``s`` successor, ``x`` suffix, ``c`` corpus,
   ``l`` lookup, ``o`` outputs, ``a`` agreement of draft and retrieval, ``p`` padding), and ``t`` for
   the token chosen by the target (each round's bonus token, and the prefill token). Per-request counters feed the log line written when
-  the request finishes (server-wide figures: ``sglang_patch.metrics.GraftStats``).
+  the request finishes (server-wide figures: ``graft_spec.stats.GraftStats``).
 * freed when SGLang reports the request finished or aborted (``note_request_finished``,
   ``batch_result_processor.py:1442``), or when a round's result shows it finished without that
   notification. SGLang sends it only from decode-result processing; a request that finishes in its

@@ -74,7 +74,7 @@ from sglang_patch.args import effective_graft_config
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
-from sglang_patch.metrics import GraftStats, prometheus_enabled
+from graft_spec.pipeline import GraftStats, prometheus_enabled
 from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
 logger = logging.getLogger(__name__)

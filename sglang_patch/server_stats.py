@@ -19,7 +19,7 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
     worker:        (graft only) live_requests (tracker), planner_live_requests, finished_total,
                    planner_memory_bytes, memory_bytes_by_source {name: bytes} (suffix, corpus, the
                    successor table), suffix_max_nodes_per_request, suffix_rebuilds, and the host
-                   statistics of ``sglang_patch.metrics.GraftStats.summary``: accepted_tokens {draft,
+                   statistics of ``graft_spec.stats.GraftStats.summary``: accepted_tokens {draft,
                    retrieved, padding, bonus}, accept_length_hist, calibration {member: {trials,
                    estimated, observed}} (mean estimated vs observed acceptance of the verified nodes
                    each source proposed), acceptance_by_depth, draft_forwards {run, skipped}

@@ -102,7 +102,7 @@ def test_calibration_deltas_merge_and_text_quality():
     m = merge_calibration([calibration_delta(before, after), calibration_delta(before, before)])["draft"]
     assert m["trials"] == 20 and m["observed"] == pytest.approx(0.25)
     # the standard error of observed - estimated, the verify round as the cluster
-    from sglang_patch.metrics import GraftStats
+    from graft_spec.stats import GraftStats
     stats = GraftStats()
     rounds = [(10, 5.0, 8), (10, 5.0, 2), (4, 2.0, 2)]     # (trials, sum of estimates, hits) of "suffix"
     for t, e, h in rounds:

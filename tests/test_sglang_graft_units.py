@@ -395,7 +395,7 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
     from sglang_patch.graft_info import GraftVerifyInput
     from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
     from sglang_patch.graft_worker import GraftWorker
-    from sglang_patch.metrics import GraftStats
+    from graft_spec.stats import GraftStats
 
     bs, n, vocab = 2, 4, 64
     planner = _planner(successor_k=3)
@@ -466,7 +466,7 @@ def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     code = textwrap.dedent("""
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-        from sglang_patch.metrics import GraftStats
+        from graft_spec.stats import GraftStats
         s = GraftStats(prometheus=True)
         s.record_round([[0, 1, -1], [-1, -1, -1]], [[3, 1.5, 1], [0, 0, 0], [2, 1.2, 1], [0, 0, 0]],
                        [[0, 0], [4, 2], [1, 0]])

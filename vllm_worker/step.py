@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from graft_spec.config import GraftConfig
-from graft_spec.chain import ChainPricer   # not (yet) exported by the pipeline door
-from graft_spec.pipeline import DraftTree, GraftPlanner, StepOutput, spine_tree, tree_draft_candidates
-from sglang_patch.metrics import GraftStats   # engine-free: the same graft:* series as SGLang's plugin
+from graft_spec.pipeline import (ChainPricer, DraftTree, GraftPlanner, GraftStats, StepOutput, spine_tree,
+                                 tree_draft_candidates)
 
 from .requests import RequestTracker
 
@@ -43,7 +42,7 @@ _PROMETHEUS: Optional[GraftStats] = None
 
 def prometheus_stats() -> Optional[GraftStats]:
     """The process's `GraftStats` mirrored to Prometheus (the ``graft:*`` series of
-    sglang_patch/metrics.py, registered once per process in prometheus_client's default registry), or
+    graft_spec/stats.py, registered once per process in prometheus_client's default registry), or
     None without prometheus_client. Every `ChainStep` of the process records into it."""
     global _PROMETHEUS
     if _PROMETHEUS is None:

@@ -93,7 +93,7 @@ def calibration_delta(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str
     """A graft server's calibration over one run, from two ``/server_info`` worker states: per member
     source ``{trials, est_sum, hit_sum, sq_error, estimated, observed, stderr}`` (means over the
     run's verified nodes; ``stderr`` the standard error of ``observed - estimated`` with the verify
-    round as the cluster, `sglang_patch.metrics.GraftStats`)."""
+    round as the cluster, `graft_spec.stats.GraftStats`)."""
     out = {}
     for m, a in after["calibration"].items():
         b = before["calibration"].get(m, {"trials": 0})

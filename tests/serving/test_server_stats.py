@@ -22,7 +22,7 @@ from graft_spec.pipeline import GraftPlanner
 from graft_spec.sources import SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUCCESSOR
 from sglang_patch import server_stats
 from sglang_patch.graft_requests import GraftRequestTracker
-from sglang_patch.metrics import GraftStats
+from graft_spec.stats import GraftStats
 
 from .conftest import BYTES_PER_SUFFIX_NODE, PER_REQUEST_OVERHEAD, outputs_index_bound, retrieval_bound
 

@@ -1,21 +1,24 @@
-"""Graft's serving statistics: host accumulators, ``/server_info`` and Prometheus series on ``/metrics``.
+"""Graft's serving statistics for every engine adapter: host accumulators, the server-info view and
+the ``graft:*`` Prometheus series.
 
-Everything here is fed from host data only: each round's accepted sources, accept lengths and
+Everything here is fed from host data only. SGLang: each round's accepted sources, accept lengths and
 calibration counts travel from the device as a ``DeviceAuxiliaryOutput`` that SGLang copies with its
 own result copy (``managers/auxiliary_output.py``), so reading them costs the decode loop nothing.
+vLLM: the chain step records each step's accepted chain tokens once the committed tokens arrive
+(vllm_worker/step.py), in prometheus_client's default registry.
 
-With ``--enable-metrics`` the series below are registered in the scheduler process; SGLang runs
+With SGLang's ``--enable-metrics`` the series below are registered in the scheduler process; SGLang runs
 ``prometheus_client`` in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by the launcher before the
 schedulers start, ``utils/common.py:2825``), so they appear on the server's ``/metrics`` next to
 SGLang's own ``sglang:*`` series (``observability/metrics_collector.py``):
 
 | series | type | labels | what |
 |---|---|---|---|
-| ``graft:accepted_tokens_total`` | counter | source = draft, retrieved, padding, bonus | emitted tokens by origin |
+| ``graft:accepted_tokens_total`` | counter | source = a source name (sources.py) or bonus | emitted tokens by origin |
 | ``graft:accept_length`` | histogram | | tokens per request per verify round (bonus included) |
 | ``graft:verified_nodes_total`` | counter | depth | verified tree nodes per depth |
 | ``graft:accepted_nodes_total`` | counter | depth | of those, on the accepted path |
-| ``graft:calibration_trials_total`` | counter | member = draft, successor, suffix, corpus | verified nodes each source proposed |
+| ``graft:calibration_trials_total`` | counter | member = a member source name (sources.py) | verified nodes each source proposed |
 | ``graft:calibration_estimated_total`` | counter | member | sum of their estimated acceptance |
 | ``graft:calibration_hits_total`` | counter | member | how many were accepted |
 | ``graft:draft_forwards_total`` | counter | outcome = run, skipped | eager draft forwards (stop gate) |
@@ -32,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from graft_spec.pipeline import NUM_MEMBERS, SOURCE_NAMES
+from .sources import NUM_MEMBERS, SOURCE_NAMES
 
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
 
