@@ -180,12 +180,15 @@ def step_ops(bench: Bench) -> str:
         g, e, gate, fused = m["graft"], m["eagle"], m.get("graft_eager_gated"), m.get("graft_fused")
         rows.append([n, bs, f"{g['ops_per_round']:.0f}", "-" if fused is None else f"{fused['ops_per_round']:.0f}",
                      f"{g['observe_ops_per_round']:.0f}",
+                     "-" if fused is None or fused.get("observe_ops_per_round") is None
+                     else f"{fused['observe_ops_per_round']:.0f}",
                      f"{g['syncs_per_round'] + g['observe_syncs_per_round']:.0f}",
                      f"{g['host_us_per_round'] / 1e3:.2f}",
                      "-" if gate is None else f"{gate['ops_per_round']:.0f}",
                      "-" if gate is None else f"{gate['host_us_per_round'] / 1e3:.2f}",
                      f"{e['ops_per_round']:.0f}", f"{e['host_us_per_round'] / 1e3:.2f}"])
-    return _md(["N", "batch", "graft build ops", "fused build ops", "observe ops", "syncs", "build ms", "eager gated round ops",
+    return _md(["N", "batch", "graft build ops", "fused build ops", "observe ops", "fused observe ops", "syncs", "build ms",
+                "eager gated round ops",
                 "eager gated ms", "EAGLE ops", "EAGLE ms"], rows)
 
 

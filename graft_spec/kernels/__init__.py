@@ -3,10 +3,17 @@
 Every kernel is a Triton program registered as a torch custom op (``torch.library``), so one launch
 is one op to the dispatcher (and to ``sglang_patch.bench.step``'s counter), it can be captured in a
 CUDA graph and traced by ``torch.compile``. The op's CPU implementation is the torch reference; on a
-CUDA device the Triton kernel runs. ``tests/test_kernels.py`` runs every kernel under
-``TRITON_INTERPRET=1`` on CPU tensors against its reference.
+CUDA device the Triton kernel runs.
 
-Switch: ``GRAFT_REFERENCE_KERNELS=1`` makes every call take the torch reference on every device.
+A round's build (step.py), in order: `draft_part` (the draft's rerank), `request_factors` (the rows'
+per-request correction), `successor_part`, `chain_part` (lookup and output index) and `host_part`
+(the host proposals, re-anchored), `stack_candidates`, `merge_select` (select.py), `tree_layout`
+(layout.py). After verify (`GraftPlanner.observe`): `observe_rows`, `successor_update`,
+`refresh_table`.
+
+Tests: every kernel against its reference under ``TRITON_INTERPRET=1`` on CPU tensors
+(tests/interpret/, run by tests/test_kernels.py in a subprocess). Switch:
+``GRAFT_REFERENCE_KERNELS=1`` makes every call take the torch reference on every device.
 """
 
 from .layout import fused_enabled, fused_ops_everywhere, tree_layout
