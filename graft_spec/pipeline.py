@@ -540,7 +540,6 @@ class GraftPlanner:
             self._cols[key] = gain_columns((*self.config.verify_widths, width), gain_len, self.device)
         return self._cols[key]
 
-
     # ------------------------------------------------------------------ chain-verifying engines (vLLM)
     def begin_request(self, req_id: Hashable, slot: int, prompt_ids: Sequence[int],
                       output_ids: Sequence[int] = (), tenant: Optional[Hashable] = None,

@@ -35,6 +35,7 @@ from .layout import _EVERYWHERE, fused_enabled, triton
 
 if triton is not None:
     import triton.language as tl
+    from .common import apply_correction
 
 __all__ = ["chain_part", "chain_part_reference", "chain_part_triton", "outputs_propose_reference"]
 
@@ -184,7 +185,7 @@ if triton is not None:
         base = tl.load(est_table_ptr + bins, mask=td, other=0.0)
         sc = tl.load(scale_ptr + b * M + member)
         un = tl.load(under_ptr + b * M + member) != 0
-        priced = tl.where(un, 1.0 - (1.0 - base) * sc, base * sc)
+        priced = apply_correction(base, sc, un)
         out = b * C * D + c * D + t
         tl.store(tok_ptr + out, tok, mask=td)
         tl.store(par_ptr + out, tl.where(t == 0, -1, c * D + t - 1).to(tl.int64), mask=td)

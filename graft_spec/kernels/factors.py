@@ -17,6 +17,7 @@ from .layout import _EVERYWHERE, fused_enabled, triton
 
 if triton is not None:
     import triton.language as tl
+    from .common import linear_correction
 
 __all__ = ["request_factors", "factors_reference", "factors_triton"]
 
@@ -45,15 +46,9 @@ if triton is not None:
         t = tl.load(row, mask=live, other=0.0)
         e = tl.load(row + 1, mask=live, other=0.0)
         h = tl.load(row + 2, mask=live, other=0.0)
-        # `calibration.linear_correction`, operation for operation
-        pe = pseudo * e / tl.maximum(t, 1e-6)
-        pm = pseudo - pe
-        seen = t >= 1.0
-        hs = tl.minimum(tl.where(seen, (h + pe) / tl.maximum(e + pe, 1e-6), 1.0), 1.0)
-        ms = tl.minimum(tl.where(seen, (t - h + pm) / tl.maximum(t - e + pm, 1e-6), 1.0), 1.0)
-        under = h > e
+        scale, under = linear_correction(t, e, h, pseudo)
         on = tl.load(on_ptr + c, mask=live, other=0) != 0
-        tl.store(scale_ptr + b * M + c, tl.where(on, tl.where(under, ms, hs), 1.0), mask=live)
+        tl.store(scale_ptr + b * M + c, tl.where(on, scale, 1.0), mask=live)
         tl.store(under_ptr + b * M + c, under & on, mask=live)
 
 

@@ -33,6 +33,7 @@ from .layout import _EVERYWHERE, fused_enabled, triton
 
 if triton is not None:
     import triton.language as tl
+    from .common import apply_correction
 
 __all__ = ["host_part", "host_part_reference", "host_part_triton"]
 
@@ -202,7 +203,7 @@ if triton is not None:
         mc = tl.minimum(tl.maximum(member, 0), NM - 1)
         sc = tl.load(scale_ptr + b * NM + mc, mask=live, other=1.0)
         un = tl.load(under_ptr + b * NM + mc, mask=live, other=0) != 0
-        priced = tl.where(un, 1.0 - (1.0 - e) * sc, e * sc)
+        priced = apply_correction(e, sc, un)
         tl.store(par_out + row + i, new_par, mask=live)
         tl.store(est_out + row + i, tl.where(valid, priced, 0.0), mask=live)
         tl.store(valid_out + row + i, valid.to(tl.int8), mask=live)

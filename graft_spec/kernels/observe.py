@@ -22,6 +22,7 @@ from .layout import _EVERYWHERE, fused_enabled, triton
 
 if triton is not None:
     import triton.language as tl
+    from .common import apply_correction
 
 __all__ = ["observe_rows", "observe_rows_reference", "observe_rows_triton", "gain_columns", "expected_lengths",
            "accepted_sources"]
@@ -133,7 +134,7 @@ if triton is not None:
         est = tl.load(est_ptr + safe, mask=valid, other=0.0)
         sc = tl.load(scale_ptr + b * M + c, mask=c < M, other=1.0)
         un = tl.load(under_ptr + b * M + c, mask=c < M, other=0) != 0
-        priced = tl.where(un[None, :], 1.0 - (1.0 - est) * sc[None, :], est * sc[None, :])
+        priced = apply_correction(est, sc[None, :], un[None, :])
         priced = tl.where(valid, priced, 0.0)
         count = tl.sum(valid.to(tl.int64), axis=0)                                  # [BM]
         hcount = tl.sum(hit.to(tl.int64), axis=0)

@@ -22,6 +22,7 @@ from .layout import _EVERYWHERE, fused_enabled, triton
 
 if triton is not None:
     import triton.language as tl
+    from .common import apply_correction, linear_correction
 
 __all__ = ["refresh_table", "refresh_reference", "refresh_triton"]
 
@@ -169,14 +170,8 @@ if triton is not None:
                 t = _from_fx(tl.load(src_ptr + g * 3, mask=live, other=0))
                 e = _from_fx(tl.load(src_ptr + g * 3 + 1, mask=live, other=0))
                 h = _from_fx(tl.load(src_ptr + g * 3 + 2, mask=live, other=0))
-                pe = pseudo * e / tl.maximum(t, 1e-6)
-                pm = pseudo - pe
-                seen = t >= 1.0
-                hs = tl.minimum(tl.where(seen, (h + pe) / tl.maximum(e + pe, 1e-6), 1.0), 1.0)
-                ms = tl.minimum(tl.where(seen, (t - h + pm) / tl.maximum(t - e + pm, 1e-6), 1.0), 1.0)
-                under = h > e
-                sc = tl.where(under, ms, hs)
-                est = tl.where(under, 1.0 - (1.0 - est) * sc, est * sc)
+                sc, under = linear_correction(t, e, h, pseudo)
+                est = apply_correction(est, sc, under)
             tl.store(table_ptr + i, est, mask=live)
 
 

@@ -27,6 +27,7 @@ from .successor import table_rows
 
 if triton is not None:
     import triton.language as tl
+    from .common import apply_correction
 
 __all__ = ["successor_part", "successor_part_reference", "successor_part_triton"]
 
@@ -126,7 +127,7 @@ if triton is not None:
         base = tl.load(est_table_ptr + bins, mask=live, other=0.0)
         sc = tl.load(scale_ptr + b * M + MEMBER)
         un = tl.load(under_ptr + b * M + MEMBER) != 0
-        priced = tl.where(un, 1.0 - (1.0 - base) * sc, base * sc)
+        priced = apply_correction(base, sc, un)
         out = b * T + u
         tl.store(tok_ptr + out, tl.where(valid, cur, 0), mask=live)
         tl.store(parents_ptr + out, tl.load(par_ptr + u, mask=live, other=-1), mask=live)

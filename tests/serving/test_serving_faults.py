@@ -201,9 +201,10 @@ def _invalid_launches(draft: Path, tmp_path: Path) -> Dict[str, Any]:
                                   ["retrieval.sufix_max_depth", "extra"]),
         "unknown_flag": ([*with_draft, "--graft-bogus-knob", "1"], {}, ["--graft-bogus-knob"]),
         "budget_below_2": ([*with_draft, "--graft-budget", "1"], {}, ["num_draft_tokens", "--graft-budget"]),
-        "topk_1": ([*with_draft, "--speculative-eagle-topk", "1"], {}, ["topk", "--speculative-eagle-topk"]),
+        "topk_1": ([*with_draft, "--speculative-eagle-topk", "1"], {},
+                   ["GraftSettingsError", "topk = 1", "--speculative-eagle-topk"]),
         "threshold_above_1": ([*with_draft, "--graft-checkpoints", "[{depth: 1, threshold: 1.5, keep: 6}]"],
-                              {}, ["checkpoints.0.threshold", "1.5"]),
+                              {}, ["GraftSettingsError", "checkpoints.0.threshold = 1.5"]),
         "missing_draft_model": ([], {}, ["--speculative-draft-model-path"]),
         # combinations SGLang's EAGLE validation refuses but a custom algorithm skips (issue 14)
         "accept_threshold_single": ([*with_draft, "--speculative-accept-threshold-single", "0.5"], {},

@@ -1,0 +1,30 @@
+"""Triton helpers shared by the kernels: the calibration's correction maps, operation for operation.
+
+Each is the Triton twin of a torch function of calibration.py, written with the same float
+operations in the same order (the kernels that use them launch without fused multiply-add), so a
+kernel and its torch reference agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from .layout import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def apply_correction(est, scale, under):
+        """`calibration.apply_correction`: ``1 - (1 - est) * scale`` where ``under``, else ``est * scale``."""
+        return tl.where(under, 1.0 - (1.0 - est) * scale, est * scale)
+
+    @triton.jit
+    def linear_correction(t, e, h, pseudo):
+        """`calibration.linear_correction` of windows (trials ``t``, estimated ``e``, hits ``h``):
+        ``(scale, under)``."""
+        pe = pseudo * e / tl.maximum(t, 1e-6)
+        pm = pseudo - pe
+        seen = t >= 1.0
+        hs = tl.minimum(tl.where(seen, (h + pe) / tl.maximum(e + pe, 1e-6), 1.0), 1.0)
+        ms = tl.minimum(tl.where(seen, (t - h + pm) / tl.maximum(t - e + pm, 1e-6), 1.0), 1.0)
+        under = h > e
+        return tl.where(under, ms, hs), under
