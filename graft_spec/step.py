@@ -289,45 +289,37 @@ class GraftStep:
         refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
         return Candidates(tokens, parents, est_n, valid_n, bins_n, member, torch.where(keep, math.inf, refill))
 
-    def _successor_part(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                        est_table: torch.Tensor, factors=None) -> Candidates:
-        """The successor table's template expanded from every root and priced: one fused op
-        (kernels/successor_part.py; retrieval/successor.py)."""
+    def successor_part_args(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
+                            est_table: torch.Tensor, factors: tuple) -> tuple:
+        """The arguments of `kernels.successor_part.successor_part` for these rows (``factors``:
+        the rows' ``(scale, under)``, the identity when uncorrected)."""
         succ, cal = self.successor, self.calibrator
-        scale, under = factors if factors is not None else cal.identity(roots.shape[0])
-        return Candidates(*successor_part(roots, groups, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth,
-                                          est_table, scale, under, succ.rows, succ.vocab_size, succ.levels,
-                                          cal.layout.offset(SOURCE_SUCCESSOR), cal.layout.per_mode))
+        return (roots, groups, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, est_table, *factors,
+                succ.rows, succ.vocab_size, succ.levels, cal.layout.offset(SOURCE_SUCCESSOR), cal.layout.per_mode)
 
-    def _chain_part(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                    est_table: torch.Tensor, factors=None) -> Optional[Candidates]:
-        """The device chain sources' candidates, priced by depth and match length: the lookup's chain
-        (retrieval/lookup.py) then the output index's two (retrieval/output_ring.py, on the rows
-        ``retrieval.outputs`` gives them to; default greedy), each ``D = pool - 1`` deep, node t of a
-        chain at depth t + 1; one fused op (kernels/chain_part.py). None when both sources are off."""
+    def chain_part_args(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
+                        est_table: torch.Tensor, factors: tuple) -> Optional[tuple]:
+        """The arguments of `kernels.chain_part.chain_part` for these rows, or None when lookup and
+        the output index are both off."""
         lookup, ring = self.config.retrieval.lookup, self.outputs
         if not lookup and ring is None:
             return None
         cal = self.calibrator
-        scale, under = factors if factors is not None else cal.identity(hist.shape[0])
         rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m)
               if ring is not None else (None,) * 7)
-        return Candidates(*chain_part(hist, count, groups, sampled, est_table, scale, under, cal._retrieval_base,
-                                      cal.logp_edges, cal.depth_edges, cal.match_edges, *rt,
-                                      list(ring.lengths) if ring is not None else [], self.pool - 1,
-                                      LOOKUP_MAX_MATCH if lookup else 0, cal.layout.per_mode,
-                                      *self.config.retrieval.outputs_modes))
+        return (hist, count, groups, sampled, est_table, *factors, cal._retrieval_base, cal.logp_edges,
+                cal.depth_edges, cal.match_edges, *rt, list(ring.lengths) if ring is not None else [], self.pool - 1,
+                LOOKUP_MAX_MATCH if lookup else 0, cal.layout.per_mode, *self.config.retrieval.outputs_modes)
 
     def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                    seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
-                   factors=None) -> Candidates:
+                   factors: tuple) -> Candidates:
         """The host proposals (suffix, corpus) re-anchored at the device's root and priced: one
         fused op (kernels/host_part.py; its reference: `reanchor`, the retrieval bins, the per-request
         correction)."""
         cal = self.calibrator
-        scale, under = factors if factors is not None else cal.identity(host.tokens.shape[0])
         return Candidates(*host_part(host.tokens, host.parents, host.logp, host.match, host.member, host.anchor_len,
-                                     hist, count, seq_lens, sampled, est_table, scale, under, cal._retrieval_base,
+                                     hist, count, seq_lens, sampled, est_table, *factors, cal._retrieval_base,
                                      cal.logp_edges, cal.depth_edges, cal.match_edges, cal.layout.per_mode))
 
     def retrieve(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
@@ -339,12 +331,17 @@ class GraftStep:
         They do not depend on the step's width (every width prices the same N-wide pool), so the
         eager stop gate and the build of a round compute them once (`GraftPlanner.stop_gate`,
         ``retrieved`` of `__call__`). Arguments as for `__call__`."""
+        if factors is None:                     # uncorrected: the identity, made once for every part
+            factors = self.calibrator.identity(roots.shape[0])
         parts = []
-        if self.successor is not None:
-            parts.append(self._successor_part(roots, host.group, sampled, est_table, factors))
-        chains = self._chain_part(hist, count, host.group, sampled, est_table, factors)
-        if chains is not None:
-            parts.append(chains)
+        if self.successor is not None:    # the successor table's template (retrieval/successor.py)
+            parts.append(Candidates(*successor_part(*self.successor_part_args(roots, host.group, sampled, est_table,
+                                                                              factors))))
+        # the device chains: the lookup's (retrieval/lookup.py) then the output index's two
+        # (retrieval/output_ring.py, on the rows ``retrieval.outputs`` gives them to), each pool - 1 deep
+        chain_args = self.chain_part_args(hist, count, host.group, sampled, est_table, factors)
+        if chain_args is not None:
+            parts.append(Candidates(*chain_part(*chain_args)))
         if host.width > 0:
             parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table, factors))
         return parts

@@ -11,7 +11,6 @@ import torch
 
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner
-from graft_spec.sources import SOURCE_SUCCESSOR
 
 
 
@@ -48,21 +47,14 @@ def _assert_same(a, r):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
 
 
-def _successor_args(planner, roots, groups, sampled, factors):
-    succ, cal = planner.successor, planner.calibrator
-    scale, under = factors
-    return (roots, groups, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, cal.table, scale, under,
-            succ.rows, succ.vocab_size, int(succ.t_depth.max()), cal.layout.offset(SOURCE_SUCCESSOR),
-            cal.layout.per_mode)
-
-
 def test_successor_part_is_one_op_inside_fused_ops_everywhere():
     from graft_spec.kernels import fused_ops_everywhere
     from graft_spec.kernels.successor_part import successor_part, successor_part_reference
     from sglang_patch.bench.step import OpCounter
 
     planner, roots, host, slots, sampled = _warm_planner(0)
-    args = _successor_args(planner, roots, host.group, sampled, planner._factors(slots))
+    args = planner.step.successor_part_args(roots, host.group, sampled, planner.calibrator.table,
+                                            planner._factors(slots))
     ref = successor_part_reference(*args)
     with fused_ops_everywhere(), OpCounter() as c:
         fused = successor_part(*args)
@@ -73,18 +65,6 @@ def test_successor_part_is_one_op_inside_fused_ops_everywhere():
     assert c.ops > 1                                    # CPU: the reference's own ops
 
 
-def _chain_args(planner, hist, count, groups, sampled, factors):
-    from graft_spec.retrieval.lookup import LOOKUP_MAX_MATCH
-
-    cal, ring, cfg = planner.calibrator, planner.outputs, planner.config.retrieval
-    scale, under = factors
-    rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m) if ring is not None
-          else (None,) * 7)
-    return (hist, count, groups, sampled, cal.table, scale, under, cal._retrieval_base, cal.logp_edges,
-            cal.depth_edges, cal.match_edges, *rt, list(ring.lengths) if ring is not None else [],
-            planner.step.pool - 1, LOOKUP_MAX_MATCH if cfg.lookup else 0, cal.layout.per_mode, *cfg.outputs_modes)
-
-
 def test_chain_part_is_one_op_inside_fused_ops_everywhere():
     from graft_spec.kernels import fused_ops_everywhere
     from graft_spec.kernels.chain_part import chain_part, chain_part_reference
@@ -92,7 +72,8 @@ def test_chain_part_is_one_op_inside_fused_ops_everywhere():
 
     planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
     hist, count = planner.history.gather(slots)
-    args = _chain_args(planner, hist, count, host.group, sampled, planner._factors(slots))
+    args = planner.step.chain_part_args(hist, count, host.group, sampled, planner.calibrator.table,
+                                        planner._factors(slots))
     ref = chain_part_reference(*args)
     with fused_ops_everywhere(), OpCounter() as c:
         fused = chain_part(*args)
@@ -114,8 +95,8 @@ def test_device_source_ops_trace():
     planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
     hist, count = planner.history.gather(slots)
     factors = planner._factors(slots)
-    s_args = _successor_args(planner, roots, host.group, sampled, factors)
-    c_args = _chain_args(planner, hist, count, host.group, sampled, factors)
+    s_args = planner.step.successor_part_args(roots, host.group, sampled, planner.calibrator.table, factors)
+    c_args = planner.step.chain_part_args(hist, count, host.group, sampled, planner.calibrator.table, factors)
     for op, args, ref in ((torch.ops.graft.successor_part, s_args, successor_part_reference(*s_args)),
                           (torch.ops.graft.chain_part, c_args, chain_part_reference(*c_args))):
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]

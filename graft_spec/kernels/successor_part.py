@@ -6,8 +6,8 @@ token from the row's isolation group of the table: slot u with parent slot p and
 row). Every slot has its own calibration bin; its estimate goes through the row's per-request
 correction of the successor member.
 
-Reference: `successor_part_reference`, the computation of ``GraftStep._successor_part`` (step.py:
-`SuccessorTable.expand`, `Calibrator.successor_bins`, `GraftStep._price`) as a function of tensors
+Reference: `successor_part_reference`, the computation of ``GraftStep.retrieve`` (step.py:
+`SuccessorTable.expand`, `Calibrator.successor_bins`, `RequestCorrection.price`) as a function of tensors
 and ints, one masked gather per template depth. Fused: `_successor_part_kernel`, one Triton program
 per request: each slot walks its own path down from the root, level by level (for level j, its
 ancestor at depth j is found by walking up the template), so no slot waits for another. Tokens,
@@ -61,7 +61,7 @@ def successor_part_reference(roots: torch.Tensor, groups: torch.Tensor, sampled:
                              t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
                              est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
                              rows: int, vocab: int, levels: int, bin_offset: int, per_mode: int) -> _Out:
-    """The successor template expanded from every root and priced (``GraftStep._successor_part``,
+    """The successor template expanded from every root and priced (``GraftStep.retrieve``,
     step.py, with `SuccessorTable.expand` of retrieval/successor.py, `Calibrator.successor_bins` and
     `RequestCorrection.price` of calibration.py / request_correction.py).
 
