@@ -8,8 +8,9 @@
     host buffer [B, M] --re-anchor--> M host nodes -------------------+        |
                                                                       layout: positions, mask, links
 
-Every candidate is priced in one currency, its calibrated estimate of lying on the accepted path
-(calibration.py); `merge_select` keeps the ancestor-closed N - 1 best (graft.py). With
+The retrieved parts come from the step's sources (device_sources.py: one `DeviceSource` each, one
+fused op each on a CUDA device). Every candidate is priced in one currency, its calibrated estimate
+of lying on the accepted path (calibration.py); `merge_select` keeps the ancestor-closed N - 1 best (graft.py). With
 ``checkpoints`` in the config the draft part follows the paper's confidence gating instead (kept
 draft nodes always in, pruned ones refill what retrieval leaves).
 
@@ -35,18 +36,16 @@ import torch
 
 from .candidates import Candidates
 from .calibration import Calibrator
+from .device_sources import RoundInputs, device_sources
 from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
 from .kernels.draft_part import draft_part
-from .kernels.chain_part import chain_part
-from .kernels.host_part import host_part, reanchor_arrays
-from .kernels.successor_part import successor_part
+from .kernels.host_part import reanchor_arrays
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
 from .retrieval.buffer import HostCandidates
-from .retrieval.lookup import LOOKUP_MAX_MATCH
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
@@ -270,6 +269,8 @@ class GraftStep:
             raise ValueError(f"GraftStep: num_nodes={self.n} must lie in 2..num_draft_tokens={self.pool}")
         self.device = torch.device(device)
         self.stages = PruneStages.build(config.checkpoints, self.device) if config.checkpoints else None
+        #: the retrieval sources, in tree order (device_sources.py)
+        self.sources = device_sources(config, calibrator, successor, outputs)
 
     # ------------------------------------------------------------------ parts
     def _draft_part(self, draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor,
@@ -289,62 +290,19 @@ class GraftStep:
         refill = est_n - 2.0 if self.config.graft.refill_with_draft else torch.full_like(est_n, -math.inf)
         return Candidates(tokens, parents, est_n, valid_n, bins_n, member, torch.where(keep, math.inf, refill))
 
-    def successor_part_args(self, roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                            est_table: torch.Tensor, factors: tuple) -> tuple:
-        """The arguments of `kernels.successor_part.successor_part` for these rows (``factors``:
-        the rows' ``(scale, under)``, the identity when uncorrected)."""
-        succ, cal = self.successor, self.calibrator
-        return (roots, groups, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, est_table, *factors,
-                succ.rows, succ.vocab_size, succ.levels, cal.layout.offset(SOURCE_SUCCESSOR), cal.layout.per_mode)
-
-    def chain_part_args(self, hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                        est_table: torch.Tensor, factors: tuple) -> Optional[tuple]:
-        """The arguments of `kernels.chain_part.chain_part` for these rows, or None when lookup and
-        the output index are both off."""
-        lookup, ring = self.config.retrieval.lookup, self.outputs
-        if not lookup and ring is None:
-            return None
-        cal = self.calibrator
-        rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m)
-              if ring is not None else (None,) * 7)
-        return (hist, count, groups, sampled, est_table, *factors, cal._retrieval_base, cal.logp_edges,
-                cal.depth_edges, cal.match_edges, *rt, list(ring.lengths) if ring is not None else [], self.pool - 1,
-                LOOKUP_MAX_MATCH if lookup else 0, cal.layout.per_mode, *self.config.retrieval.outputs_modes)
-
-    def _host_part(self, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
-                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
-                   factors: tuple) -> Candidates:
-        """The host proposals (suffix, corpus) re-anchored at the device's root and priced: one
-        fused op (kernels/host_part.py; its reference: `reanchor`, the retrieval bins, the per-request
-        correction)."""
-        cal = self.calibrator
-        return Candidates(*host_part(host.tokens, host.parents, host.logp, host.match, host.member, host.anchor_len,
-                                     hist, count, seq_lens, sampled, est_table, *factors, cal._retrieval_base,
-                                     cal.logp_edges, cal.depth_edges, cal.match_edges, cal.layout.per_mode))
-
     def retrieve(self, roots: torch.Tensor, host: HostCandidates, hist: torch.Tensor, count: torch.Tensor,
                  seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
                  factors=None) -> list[Candidates]:
-        """The round's retrieved candidates, priced: one `Candidates` block ``[B, C_i]`` per enabled
-        part, in tree order (successor, the device chains: lookup then outputs, host).
+        """The round's retrieved candidates, priced: one `Candidates` block ``[B, C_i]`` per source
+        of `sources` that proposes (device_sources.py), in tree order.
 
         They do not depend on the step's width (every width prices the same N-wide pool), so the
         eager stop gate and the build of a round compute them once (`GraftPlanner.stop_gate`,
         ``retrieved`` of `__call__`). Arguments as for `__call__`."""
-        if factors is None:                     # uncorrected: the identity, made once for every part
+        if factors is None:                     # uncorrected: the identity, made once for every source
             factors = self.calibrator.identity(roots.shape[0])
-        parts = []
-        if self.successor is not None:    # the successor table's template (retrieval/successor.py)
-            parts.append(Candidates(*successor_part(*self.successor_part_args(roots, host.group, sampled, est_table,
-                                                                              factors))))
-        # the device chains: the lookup's (retrieval/lookup.py) then the output index's two
-        # (retrieval/output_ring.py, on the rows ``retrieval.outputs`` gives them to), each pool - 1 deep
-        chain_args = self.chain_part_args(hist, count, host.group, sampled, est_table, factors)
-        if chain_args is not None:
-            parts.append(Candidates(*chain_part(*chain_args)))
-        if host.width > 0:
-            parts.append(self._host_part(host, hist, count, seq_lens, sampled, est_table, factors))
-        return parts
+        r = RoundInputs(roots, host, hist, count, seq_lens, sampled, est_table, factors)
+        return [c for c in (s.propose(r) for s in self.sources) if c is not None]
 
     def retrieval_floor(self, roots: torch.Tensor, parts: list[Candidates]) -> torch.Tensor:
         """``float32[B]``: a lower bound of the round's selection threshold at this step's width from

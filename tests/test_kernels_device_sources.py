@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from graft_spec.config import GraftConfig
+from graft_spec.device_sources import ChainSource, SuccessorSource
 from graft_spec.pipeline import GraftPlanner
 
 
@@ -42,6 +43,16 @@ def _warm_planner(seed: int, b: int = 4, outputs: str = "greedy"):
     return planner, roots, host, slots, sampled
 
 
+def _source_args(planner, kind, roots, host, slots, sampled):
+    """The op arguments of the planner's ``kind`` source (`graft_spec.device_sources`) for one round."""
+    from graft_spec.device_sources import RoundInputs
+
+    hist, count = planner.history.gather(slots)
+    r = RoundInputs(roots, host, hist, count, torch.full_like(roots, 16), sampled, planner.calibrator.table,
+                    planner._factors(slots))
+    return next(s for s in planner.step.sources if isinstance(s, kind)).args(r)
+
+
 def _assert_same(a, r):
     for x, y in zip(a, r, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
@@ -53,8 +64,7 @@ def test_successor_part_is_one_op_inside_fused_ops_everywhere():
     from sglang_patch.bench.step import OpCounter
 
     planner, roots, host, slots, sampled = _warm_planner(0)
-    args = planner.step.successor_part_args(roots, host.group, sampled, planner.calibrator.table,
-                                            planner._factors(slots))
+    args = _source_args(planner, SuccessorSource, roots, host, slots, sampled)
     ref = successor_part_reference(*args)
     with fused_ops_everywhere(), OpCounter() as c:
         fused = successor_part(*args)
@@ -71,9 +81,7 @@ def test_chain_part_is_one_op_inside_fused_ops_everywhere():
     from sglang_patch.bench.step import OpCounter
 
     planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
-    hist, count = planner.history.gather(slots)
-    args = planner.step.chain_part_args(hist, count, host.group, sampled, planner.calibrator.table,
-                                        planner._factors(slots))
+    args = _source_args(planner, ChainSource, roots, host, slots, sampled)
     ref = chain_part_reference(*args)
     with fused_ops_everywhere(), OpCounter() as c:
         fused = chain_part(*args)
@@ -93,10 +101,8 @@ def test_device_source_ops_trace():
     from graft_spec.kernels.successor_part import successor_part_reference
 
     planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
-    hist, count = planner.history.gather(slots)
-    factors = planner._factors(slots)
-    s_args = planner.step.successor_part_args(roots, host.group, sampled, planner.calibrator.table, factors)
-    c_args = planner.step.chain_part_args(hist, count, host.group, sampled, planner.calibrator.table, factors)
+    s_args = _source_args(planner, SuccessorSource, roots, host, slots, sampled)
+    c_args = _source_args(planner, ChainSource, roots, host, slots, sampled)
     for op, args, ref in ((torch.ops.graft.successor_part, s_args, successor_part_reference(*s_args)),
                           (torch.ops.graft.chain_part, c_args, chain_part_reference(*c_args))):
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]

@@ -8,7 +8,7 @@ match and the longest one whose next token differs continue as two chains. Every
 priced by member, depth and match length (`Calibrator.retrieval_bins`) through the row's
 per-request correction.
 
-Reference: `chain_part_reference`, the computation of ``GraftStep.retrieve`` (step.py:
+Reference: `chain_part_reference`, the computation of ``ChainSource.propose`` (device_sources.py:
 `lookup_propose`, `OutputRing.propose` as `outputs_propose_reference`, `Calibrator.retrieval_bins`,
 `RequestCorrection.price`) as a function of tensors and ints. Fused: `_chain_part_kernel`, one Triton program
 per request: the lookup scans the window in blocks of positions, keeping for every match length the
@@ -98,7 +98,7 @@ def chain_part_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.
                          ring_lengths: Optional[torch.Tensor], ring_pow_r: Optional[torch.Tensor],
                          ring_pow_m: Optional[torch.Tensor], match_lengths: list[int], depth: int,
                          lookup_max_match: int, per_mode: int, outputs_greedy: bool, outputs_sampled: bool) -> _Out:
-    """The device chains priced (``GraftStep.retrieve``, step.py, with `lookup_propose` of
+    """The device chains priced (``ChainSource.propose``, device_sources.py, with `lookup_propose` of
     retrieval/lookup.py, `OutputRing.propose` of retrieval/output_ring.py, `Calibrator.retrieval_bins`
     of calibration.py and `RequestCorrection.price`): the lookup's chain, then the output index's
     `CHAINS`, each ``D = depth`` deep, node t of a chain at depth t + 1.

@@ -1,6 +1,6 @@
 """The host proposals' candidates of a round in one kernel: re-anchoring, calibration bins, price.
 
-Reference: `host_part_reference`, the torch code of ``GraftStep._host_part`` (graft_spec/step.py:
+Reference: `host_part_reference`, the torch code of ``HostSource`` (graft_spec/device_sources.py, step.py:
 `reanchor`, ``Calibrator.retrieval_bins`` and ``RequestCorrection.price``, ~60 small ops over
 ``[B, M]`` candidates) as a function of tensors and ints. Fused: `_host_part_kernel`, one Triton
 program per request holding the row's M candidates as vectors:
@@ -80,8 +80,9 @@ def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch
                         under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
                         depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The host proposals re-anchored at the device's root and priced: ``GraftStep._host_part``
-    (graft_spec/step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and ``RequestCorrection.price``).
+    """The host proposals re-anchored at the device's root and priced: ``HostSource.propose``
+    (graft_spec/device_sources.py; step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and
+    ``RequestCorrection.price``).
 
     Args:
         tokens, parents, logp, match, member: the `HostCandidates` fields, ``[B, M]``: ``int64``

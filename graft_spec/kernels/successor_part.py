@@ -6,7 +6,7 @@ token from the row's isolation group of the table: slot u with parent slot p and
 row). Every slot has its own calibration bin; its estimate goes through the row's per-request
 correction of the successor member.
 
-Reference: `successor_part_reference`, the computation of ``GraftStep.retrieve`` (step.py:
+Reference: `successor_part_reference`, the computation of ``SuccessorSource.propose`` (device_sources.py:
 `SuccessorTable.expand`, `Calibrator.successor_bins`, `RequestCorrection.price`) as a function of tensors
 and ints, one masked gather per template depth. Fused: `_successor_part_kernel`, one Triton program
 per request: each slot walks its own path down from the root, level by level (for level j, its
@@ -61,8 +61,8 @@ def successor_part_reference(roots: torch.Tensor, groups: torch.Tensor, sampled:
                              t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
                              est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
                              rows: int, vocab: int, levels: int, bin_offset: int, per_mode: int) -> _Out:
-    """The successor template expanded from every root and priced (``GraftStep.retrieve``,
-    step.py, with `SuccessorTable.expand` of retrieval/successor.py, `Calibrator.successor_bins` and
+    """The successor template expanded from every root and priced (``SuccessorSource.propose``,
+    device_sources.py, with `SuccessorTable.expand` of retrieval/successor.py, `Calibrator.successor_bins` and
     `RequestCorrection.price` of calibration.py / request_correction.py).
 
     Args:
