@@ -45,7 +45,7 @@ from .retrieval.output_ring import OutputRing
 from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
-from .kernels import fused_ops_everywhere
+from .kernels import fused_kernels_for, fused_ops_everywhere
 from .kernels.observe import gain_columns, observe_rows
 from .request_correction import RequestCorrection
 from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
@@ -76,8 +76,8 @@ __all__ = [
     "sample_verify", "spine_tree", "Chain", "ChainPricer",
     # serving statistics (host accumulators, graft:* Prometheus series)
     "GraftStats", "prometheus_enabled",
-    # the fused kernels' switch for op counting (graft_spec/kernels)
-    "fused_ops_everywhere",
+    # the fused kernels' switches (graft_spec/kernels): op counting, and an adapter's own fused ops
+    "fused_ops_everywhere", "fused_kernels_for",
 ]
 
 
@@ -184,7 +184,7 @@ class RoundRetrieval:
         est: ``float32[bins]`` the calibrator's estimate table of the round (`Calibrator.table`).
         hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' token windows (`TokenHistory.gather`).
         factors: the rows' per-request correction (`RequestCorrection.factors`), or None.
-        parts: `GraftStep.retrieve`'s priced candidates, one tuple of ``[B, C_i]`` tensors per source.
+        parts: `GraftStep.retrieve`'s priced candidates, one `Candidates` block ``[B, C_i]`` per source.
 
     Valid for the round it was made in only: nothing between the gate and the build (drafting)
     changes the calibrator, the history or the host candidates.

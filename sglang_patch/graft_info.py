@@ -23,7 +23,7 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
 from graft_spec.pipeline import StepOutput
-from sglang_patch.tree_mask import write_tree_mask
+from sglang_patch.tree_mask import write_tree_mask, write_verify_mask
 
 __all__ = ["GraftVerifyInput", "tree_mask_numel", "write_tree_mask", "build_graft_verify_input"]
 
@@ -91,13 +91,12 @@ def build_graft_verify_input(out: StepOutput, seq_lens: torch.Tensor, *, mode: T
     device = tree.tokens.device
     if mask_buffer is not None:
         custom_mask = mask_buffer
-        if mode == TreeMaskMode.FULL_MASK and fill_prefix:
-            custom_mask.fill_(True)
     elif mode == TreeMaskMode.FULL_MASK:
-        custom_mask = torch.ones(full_mask_numel, dtype=torch.bool, device=device)
+        custom_mask, fill_prefix = torch.empty(full_mask_numel, dtype=torch.bool, device=device), True
     else:
         custom_mask = torch.empty(tree_mask_numel(mode, b, n), dtype=torch.bool, device=device)
-    write_tree_mask(custom_mask, out.mask, seq_lens, mode)
+    # one launch on a GPU: the requests' prefix cells (FULL_MASK) and tree cells (tree_mask.py)
+    write_verify_mask(custom_mask, out.mask, seq_lens, int(mode), fill_prefix and mode == TreeMaskMode.FULL_MASK)
     return GraftVerifyInput(
         draft_token=tree.tokens.reshape(-1),
         custom_mask=custom_mask,

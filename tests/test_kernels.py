@@ -7,6 +7,7 @@ tests/interpret/test_*_interpreted.py, one file per group of kernels.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -102,3 +103,26 @@ def test_observe_is_three_launches_inside_fused_ops_everywhere():
         assert torch.equal(x, y)
     for name in ("sources", "members", "depths", "expected"):
         assert torch.equal(getattr(stats[0], name), getattr(stats[1], name)), name
+
+
+def test_verify_mask_op_is_one_dispatch_and_the_reference_on_cpu():
+    """``graft::write_verify_mask`` (sglang_patch/tree_mask.py) is one op that writes the reference's
+    cells in place; on CPU tensors `write_verify_mask` runs the reference (a fill and the scatter),
+    inside `fused_ops_everywhere` the op."""
+    from graft_spec.pipeline import fused_ops_everywhere
+    from sglang_patch.bench.step import OpCounter
+    from sglang_patch.tree_mask import FULL_MASK, write_tree_mask, write_verify_mask
+
+    mask = torch.rand(3, 5, 5, generator=torch.Generator().manual_seed(0)) < 0.5
+    seq = torch.tensor([4, 0, 9])
+    numel = int((seq * 5 + 25).sum())
+    expect = torch.ones(numel, dtype=torch.bool)
+    write_tree_mask(expect, mask, seq, FULL_MASK)
+    for everywhere, ops in ((True, 1), (False, None)):
+        out = torch.zeros(numel, dtype=torch.bool)
+        with fused_ops_everywhere() if everywhere else contextlib.nullcontext(), OpCounter() as c:
+            write_verify_mask(out, mask, seq, FULL_MASK, True)
+        assert torch.equal(out, expect)
+        assert c.ops == ops if ops is not None else c.ops > 1
+    with pytest.raises(ValueError, match="unknown tree mask mode"):
+        write_verify_mask(torch.zeros(4, dtype=torch.bool), mask, seq, 7, False)

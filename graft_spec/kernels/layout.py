@@ -28,7 +28,8 @@ try:  # Triton ships with CUDA builds of torch; without it the reference runs ev
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-__all__ = ["layout_reference", "tree_layout", "fused_enabled", "layout_triton", "fused_ops_everywhere"]
+__all__ = ["layout_reference", "tree_layout", "fused_enabled", "fused_kernels_for", "layout_triton",
+           "fused_ops_everywhere"]
 
 #: Environment switch: ``1`` = the torch reference on every device.
 REFERENCE_ENV = "GRAFT_REFERENCE_KERNELS"
@@ -45,6 +46,12 @@ def fused_ops_everywhere() -> Iterator[None]:
         yield
     finally:
         _EVERYWHERE[0] = False
+
+
+def fused_kernels_for(t: torch.Tensor) -> bool:
+    """True when a fused op should run for tensor ``t``: on a CUDA device (or inside
+    `fused_ops_everywhere`) with `fused_enabled`."""
+    return (t.is_cuda or _EVERYWHERE[0]) and fused_enabled()
 
 
 def fused_enabled() -> bool:
