@@ -273,6 +273,10 @@ class BatchBudgetConfig(BaseModel):
         schedule: a fixed cycle of verify widths, one per decode round, instead of the budget's
             choice (to replay a width sequence exactly: tests, benchmarks); () = the budget chooses.
             Each must be one of the widths.
+        width_reserve_mib: device memory (MiB, per rank) set aside for each extra verify width before
+            the engine sizes its KV cache; None = estimated from the attention backend, the graph batch
+            size and the context (SGLang: sglang_patch/kv_reserve.py). Widths that would take more
+            than half of the KV memory are dropped at startup, widest first, with a warning.
     """
 
     model_config = _STRICT
@@ -284,6 +288,7 @@ class BatchBudgetConfig(BaseModel):
     min_samples: int = Field(default=3, ge=1, le=1000)
     defer_draft_extend: bool = True
     schedule: tuple[int, ...] = ()
+    width_reserve_mib: Optional[int] = Field(default=None, ge=0, le=1 << 20)
 
 
 class GraftConfig(BaseModel):

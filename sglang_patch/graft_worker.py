@@ -75,6 +75,7 @@ from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from graft_spec.pipeline import GraftStats, prometheus_enabled
+from sglang_patch.kv_reserve import kept_widths
 from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
 logger = logging.getLogger(__name__)
@@ -350,7 +351,8 @@ class GraftWorker(EAGLEWorkerV2):
         self.planner = GraftPlanner(self.config, vocab_size=vocab, device=self.device, max_batch=max_bs)
         #: server-wide statistics (``/server_info``, and ``/metrics`` with ``--enable-metrics``)
         self.stats = GraftStats(prometheus=prometheus_enabled())
-        widths = self.config.verify_widths
+        #: the verify widths this server builds: the config's, less those the KV reserve dropped
+        self.widths = widths = kept_widths(self.config.verify_widths)
         #: the batch budget (None: one width, N, every round)
         self.budget = BatchBudget(widths, self.config.batch_budget) if len(widths) > 1 else None
         #: per-request host state; a freed request's gain curve leaves the budget with it
@@ -465,7 +467,7 @@ class GraftWorker(EAGLEWorkerV2):
             return None
         self._slots()  # the token history is read inside the graphs: size it before capture
         graphs = StepGraphs(self.planner, self.topk + (self.speculative_num_steps - 1) * self.topk ** 2,
-                            _ev2.get_exec().graph.cuda_graph_bs_decode, self.config.verify_widths)
+                            _ev2.get_exec().graph.cuda_graph_bs_decode, self.widths)
         graphs.capture()
         logger.info("graft step graphs: %d captured (batch sizes %s, widths %s)", graphs.captured,
                     list(graphs.buckets), list(graphs.widths))

@@ -15,6 +15,7 @@ def register() -> None:
     ``srt/plugins/hook_registry.py`` (hooks registered here are applied right after).
     """
     from sglang_patch.cpu import install_cpu_layer
+    from sglang_patch.kv_reserve import register_kv_reserve
     from sglang_patch.registration import register_graft
     from sglang_patch.request_guard import register_request_guard
     from sglang_patch.server_stats import register_server_stats
@@ -22,4 +23,5 @@ def register() -> None:
     install_cpu_layer()
     register_graft()
     register_server_stats()  # GET /server_info -> internal_states[i]["graft"]
+    register_kv_reserve()  # the batch budget's widths come off the KV cache before it is sized
     register_request_guard()  # 400 instead of a scheduler crash for empty / out-of-vocab prompts

@@ -30,7 +30,7 @@ Fields (token counts are KV slots; all ints unless said otherwise)::
                    {"enabled": false}); accepted_by_source {source name: tokens} (graft_spec/sources.py);
                    config caps (suffix_max_nodes, suffix_max_depth, successor_k);
                    memory_beyond_eagle3 {width_states, width_states_by_width, planner,
-                   deferred_draft_extend, total} (bytes, `memory_beyond_eagle3`)
+                   deferred_draft_extend, total, kv_reserve} (bytes, `memory_beyond_eagle3`)
 
 Idle means: queues 0/0, ``kv.used == 0`` and ``kv.protected == 0``, ``req_slots.available ==
 req_slots.size``, ``worker.live_requests == worker.planner_live_requests == 0``.
@@ -49,6 +49,8 @@ from __future__ import annotations
 import logging
 import sys
 from typing import Any, Callable, Dict
+
+from sglang_patch import kv_reserve
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +149,10 @@ def memory_beyond_eagle3(worker) -> Dict[str, int]:
     """Bytes a graft worker holds that an EAGLE-3 worker of the same tree shape does not: the extra
     verify-width runtime states (``WidthStates.bytes_by_width``, tensors not shared with the full-width
     state), the planner's state (successor table, token history, output index, suffix / corpus
-    indexes: ``GraftPlanner.memory_bytes``) and the deferred draft extend's buffers; ``total`` sums them."""
+    indexes: ``GraftPlanner.memory_bytes``) and the deferred draft extend's buffers; ``total`` sums them.
+    ``kv_reserve``: what was taken off the KV cache for the widths before it was sized
+    (`sglang_patch.kv_reserve.summary`: profiled_bytes, reserve_bytes, by_width, kv_bytes, widths,
+    dropped, source, built_bytes), None when nothing was reserved."""
     ws = getattr(getattr(worker, "width_states", None), "bytes_by_width", {}) or {}
     deferred = getattr(worker, "deferred", None)
     out = {"width_states": int(sum(ws.values())),
@@ -155,6 +160,7 @@ def memory_beyond_eagle3(worker) -> Dict[str, int]:
            "planner": int(worker.planner.memory_bytes()),
            "deferred_draft_extend": int(deferred.memory_bytes()) if deferred is not None else 0}
     out["total"] = out["width_states"] + out["planner"] + out["deferred_draft_extend"]
+    out["kv_reserve"] = kv_reserve.summary()
     return out
 
 

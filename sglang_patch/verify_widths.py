@@ -14,7 +14,8 @@ SGLang logs every state switch at INFO (``apply_runtime_state``, :1866); with th
 width every round that is one line per round, so `QuietSwitches` moves those lines to DEBUG (graft's
 own line per switch, ``graft_worker`` logger). The bytes the extra states hold (their tensors, and on
 CUDA the device memory their build took) are kept in `WidthStates.bytes_by_width` for
-``/server_info`` (``worker.memory_beyond_eagle3``). The flags SGLang refuses for its own adaptive
+``/server_info`` (``worker.memory_beyond_eagle3``), beside the reserve taken off the KV cache for
+them before it was sized (`sglang_patch.kv_reserve`). The flags SGLang refuses for its own adaptive
 states are refused for graft at startup (`sglang_patch.args.refuse_width_state_combinations`).
 
 The choice itself (`graft_spec.budget.BatchBudget`) is host-side and made before the round is
@@ -30,6 +31,8 @@ from typing import Dict, Sequence
 import torch
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+from sglang_patch.kv_reserve import check_built
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,7 @@ class WidthStates:
                     logger.debug("graft: width %d state bytes not counted (%s)", width, exc)
                     held = 0
                 self.bytes_by_width[width] = max(held, _device_bytes(w.device) - before)
+        check_built(self.bytes_by_width)
         if not getattr(_ev2.logger, "_graft_quiet_switches", False):
             _ev2.logger.addFilter(QuietSwitches())
             _ev2.logger._graft_quiet_switches = True

@@ -62,6 +62,10 @@ SHAPE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "4", "--spe
 # fp16 rounding differs between a tree-verify forward and a one-token decode forward.
 COMMON = ["--dtype", "float32", "--max-running-requests", "16", "--random-seed", "0"]
 GRAFT = ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(QUICK / "draft"), *SHAPE]
+#: KV pool sized from free memory: 5% of it static (a few hundred MB here), no token cap binding
+KV_FROM_MEMORY = ["--mem-fraction-static", "0.05", "--max-total-tokens", "100000000"]
+#: device memory set aside per extra verify width (batch_budget.width_reserve_mib)
+RESERVE_MIB = 16
 
 
 def _texts(name: str, n: int) -> list[str]:
@@ -364,7 +368,11 @@ class TestBatchBudget:
 
     @pytest.fixture(scope="class")
     def budget(self, reference):
-        with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics"], name="graft_budget") as srv:
+        # the KV pool sized from memory (a low static fraction, no token cap binding) with a fixed
+        # reserve per extra width, so the pool's shrink by the reserve is visible on a CPU
+        with serve(QUICK / "target", [*COMMON, *GRAFT, "--enable-metrics", *KV_FROM_MEMORY,
+                                      "--graft-batch-budget-width-reserve-mib", str(RESERVE_MIB)],
+                   name="graft_budget") as srv:
             yield srv
 
     @pytest.fixture(scope="class")
@@ -393,6 +401,26 @@ class TestBatchBudget:
         # tests/test_core_budget.py.
         model = b["cost_model"]
         assert model is not None and model["draft_ms"] + model["per_token_ms"] > 0, b
+
+    def test_kv_pool_is_smaller_by_the_reserve(self, budget, budget_c1):
+        """The widths' reserve came off the profiled KV bytes before the pool was sized: the pool holds
+        the tokens of the profiled bytes less the reserve, and the width states were built before the
+        server said it was ready (none after)."""
+        state = httpx.get(f"{budget.url}/server_info", timeout=60).json()["internal_states"][0]["graft"]
+        r = state["worker"]["memory_beyond_eagle3"]["kv_reserve"]
+        print("\nSGLANG-GRAFT-KV-RESERVE", json.dumps(r), "capacity", state["kv"]["capacity"])
+        mib = 1 << 20
+        assert r["source"] == "batch_budget.width_reserve_mib" and r["widths"] == [1, 12, 24] and not r["dropped"]
+        assert r["by_width"] == {"1": RESERVE_MIB * mib, "12": RESERVE_MIB * mib}
+        assert r["kv_bytes"] == r["profiled_bytes"] - r["reserve_bytes"] == r["profiled_bytes"] - 2 * RESERVE_MIB * mib
+        without, tokens, capacity = r["kv_tokens_without_reserve"], r["kv_tokens"], state["kv"]["capacity"]
+        per_token = r["profiled_bytes"] / without
+        assert abs((without - tokens) - r["reserve_bytes"] / per_token) <= 2   # the reserve, in tokens
+        assert tokens - 256 <= capacity <= tokens                              # what SGLang allocated
+        log = budget.log_tail(2_000_000)
+        ready = log.find("The server is fired up")
+        assert 0 <= log.find("reserved for verify widths") < log.find("runtime states built") < ready
+        assert "Built adaptive runtime state" not in log[ready:], "a width state was built after ready"
 
     def test_metrics_and_server_info_report_widths(self, budget, budget_c1):
         text = httpx.get(f"{budget.url}/metrics", timeout=60).text
