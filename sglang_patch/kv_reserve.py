@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -43,7 +42,6 @@ MAX_SHARE = 0.5
 
 #: What the hook decided in this process (the scheduler's; empty until the KV pool is sized).
 _plan: Dict[str, Any] = {}
-_registered = False
 
 
 def estimate_width_bytes(width: int, *, backend: str, graphs: bool, graph_max_bs: int, context: int,
@@ -197,11 +195,6 @@ def summary() -> Optional[Dict[str, Any]]:
 def register_kv_reserve() -> bool:
     """Register `reserve_after_profile` with SGLang's HookRegistry (once, in scheduler processes only:
     elsewhere resolving `TARGET` would import the model stack for nothing). True when newly registered."""
-    global _registered
-    if _registered or SCHEDULER_MODULE not in sys.modules:
-        return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_patch.registration import register_hook
 
-    HookRegistry.register(TARGET, reserve_after_profile, HookType.AFTER)
-    _registered = True
-    return True
+    return register_hook(TARGET, reserve_after_profile, "AFTER", only_if_imported=SCHEDULER_MODULE)

@@ -19,6 +19,31 @@ import logging
 logger = logging.getLogger(__name__)
 
 _HOOKS_REGISTERED = False
+#: targets this process registered a plugin hook on (`register_hook`)
+_HOOKED: set = set()
+
+
+def register_hook(target: str, hook, hook_type: str = "AFTER", only_if_imported: str = "") -> bool:
+    """Register ``hook`` on ``target`` with SGLang's HookRegistry, once per process and target.
+
+    Args:
+        target: dotted path of the patched function (``HookRegistry.register``'s target).
+        hook: the hook function.
+        hook_type: ``"BEFORE"`` or ``"AFTER"`` (``HookType`` member name).
+        only_if_imported: a module name: register only in processes that have imported it (resolving
+            the target elsewhere would import a module stack the process never runs).
+    Returns:
+        True when newly registered.
+    """
+    import sys
+
+    if target in _HOOKED or (only_if_imported and only_if_imported not in sys.modules):
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(target, hook, HookType[hook_type])
+    _HOOKED.add(target)
+    return True
 
 
 def _graft_worker_factory(server_args):

@@ -28,7 +28,6 @@ from typing import Optional, Sequence
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 _MM_FIELDS = ("image_data", "video_data", "audio_data")
 
-_registered = False
 
 
 def prompt_problem(input_ids: Optional[Sequence[int]], vocab_size: Optional[int]) -> Optional[str]:
@@ -79,11 +78,6 @@ def register_request_guard() -> bool:
     it anyway, schedulers and the detokenizer already have it loaded by the other plugin hooks
     (measured: +0.02 s). Returns True when newly registered.
     """
-    global _registered
-    if _registered:
-        return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_patch.registration import register_hook
 
-    HookRegistry.register(TARGET, check_prompt_tokens, HookType.BEFORE)
-    _registered = True
-    return True
+    return register_hook(TARGET, check_prompt_tokens, "BEFORE")

@@ -47,7 +47,6 @@ hook that never runs there, so nothing is registered.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Callable, Dict
 
 from sglang_patch import kv_reserve
@@ -62,7 +61,6 @@ TARGET_MODULE = TARGET.rsplit(".", 2)[0]
 #: Key added to the scheduler's internal state.
 KEY = "graft"
 
-_registered = False
 
 
 def _safe(fn: Callable[[], Any], default: Any = None) -> Any:
@@ -202,11 +200,6 @@ def register_server_stats() -> bool:
     process that has not imported `TARGET_MODULE` (see the module docstring). Returns True when
     newly registered.
     """
-    global _registered
-    if _registered or TARGET_MODULE not in sys.modules:
-        return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_patch.registration import register_hook
 
-    HookRegistry.register(TARGET, add_graft_stats, HookType.AFTER)
-    _registered = True
-    return True
+    return register_hook(TARGET, add_graft_stats, "AFTER", only_if_imported=TARGET_MODULE)
