@@ -150,7 +150,9 @@ def test_registration_only_where_the_scheduler_runs_and_once(monkeypatch):
     calls = []
     monkeypatch.setattr(HookRegistry, "register",
                         classmethod(lambda cls, target, hook, kind=HookType.AFTER: calls.append((target, hook, kind))))
-    monkeypatch.setattr(server_stats, "_registered", False)
+    from sglang_patch import registration
+
+    monkeypatch.setattr(registration, "_HOOKED", set())
     monkeypatch.delitem(sys.modules, server_stats.TARGET_MODULE, raising=False)
     assert server_stats.register_server_stats() is False and calls == []  # e.g. the HTTP process
     monkeypatch.setitem(sys.modules, server_stats.TARGET_MODULE, types.ModuleType("fake"))
