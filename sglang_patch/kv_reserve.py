@@ -14,7 +14,7 @@ graph batch size and context). When the extra widths would take more than half o
 bytes, the budget narrows itself: the widest extra widths are dropped until the rest fits, with a
 warning at startup; `kept_widths` gives the worker the widths it builds. The worker compares what
 its states took with the reserve (`check_built`) and ``/server_info`` reports both
-(``worker.kv_reserve``).
+(``worker.memory_beyond_eagle3.kv_reserve``).
 
 With tensor parallelism every rank profiles the minimum free memory over the ranks
 (``distributed=True`` in SGLang's profile) and computes the same reserve, so every rank keeps the
