@@ -62,7 +62,6 @@ TARGET_MODULE = TARGET.rsplit(".", 2)[0]
 KEY = "graft"
 
 
-
 def _safe(fn: Callable[[], Any], default: Any = None) -> Any:
     """``fn()``, or ``default`` when the attribute chain does not exist in this server."""
     try:

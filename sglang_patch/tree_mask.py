@@ -159,7 +159,7 @@ def write_verify_mask(tree_mask: torch.Tensor, mask: torch.Tensor, seq_lens: tor
     """
     if mode not in (FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING):
         raise ValueError(f"unknown tree mask mode {mode}")
-    if triton is not None and fused_kernels_for(tree_mask):
+    if fused_kernels_for(tree_mask):
         torch.ops.graft.write_verify_mask(tree_mask, mask, seq_lens, int(mode), bool(fill_prefix))
     else:
         verify_mask_reference(tree_mask, mask, seq_lens, int(mode), bool(fill_prefix))

@@ -75,21 +75,8 @@ def test_check_built_warns_only_beyond_the_reserve(planned, caplog):
     assert kv_reserve.summary()["built_bytes"] == 200 * MIB and kv_reserve.summary()["by_width"] == {"1": 64 * MIB}
 
 
-def test_registered_only_in_scheduler_processes_and_once(monkeypatch):
-    import sys
-    import types
+def test_registered_only_in_scheduler_processes_and_once(check_hook_registration):
+    from sglang.srt.plugins.hook_registry import HookType
 
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_patch import registration
-
-    calls = []
-    monkeypatch.setattr(HookRegistry, "register",
-                        classmethod(lambda cls, target, hook, kind=HookType.AFTER: calls.append((target, hook, kind))))
-    monkeypatch.setattr(registration, "_HOOKED", set())
-    monkeypatch.delitem(sys.modules, kv_reserve.SCHEDULER_MODULE, raising=False)
-    assert kv_reserve.register_kv_reserve() is False and calls == []     # e.g. the HTTP process
-    monkeypatch.setitem(sys.modules, kv_reserve.SCHEDULER_MODULE, types.ModuleType("fake"))
-    assert kv_reserve.register_kv_reserve() is True
-    assert kv_reserve.register_kv_reserve() is False
-    assert calls == [(kv_reserve.TARGET, kv_reserve.reserve_after_profile, HookType.AFTER)]
+    check_hook_registration(kv_reserve.register_kv_reserve, kv_reserve.SCHEDULER_MODULE, kv_reserve.TARGET,
+                            kv_reserve.reserve_after_profile, HookType.AFTER)

@@ -31,7 +31,7 @@ from ..retrieval.lookup import lookup_propose
 from ..retrieval.output_ring import CHAINS, _tail_hashes
 from ..sources import SOURCE_LOOKUP, SOURCE_OUTPUTS
 from ..tree import HASH_ADD, HASH_MIX
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -393,6 +393,6 @@ def chain_part(hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sa
     args = (hist, count, groups, sampled, est_table, scale, under, retrieval_base, logp_edges, depth_edges,
             match_edges, ring, ring_tag, ring_table, ring_total, ring_lengths, ring_pow_r, ring_pow_m,
             list(match_lengths), depth, lookup_max_match, per_mode, outputs_greedy, outputs_sampled)
-    if (hist.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(hist):
         return torch.ops.graft.chain_part(*args)
     return chain_part_reference(*args)

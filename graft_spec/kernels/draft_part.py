@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..tree import order_key, path_min, pointer_rounds, top_mask
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -230,7 +230,7 @@ if triton is not None:
 def draft_part(*args) -> tuple[torch.Tensor, ...]:
     """`draft_part_reference`'s contract: one fused launch on a CUDA device (or inside
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if (args[0].is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(args[0]):
         return torch.ops.graft.draft_part(*args)
     return draft_part_reference(*args)
 

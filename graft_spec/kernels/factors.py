@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -90,6 +90,6 @@ def request_factors(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tens
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`factors_reference`'s contract: one fused launch on a CUDA device (or inside
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if (recent.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(recent):
         return torch.ops.graft.request_factors(recent, slot_ids, on, pseudo_trials)
     return factors_reference(recent, slot_ids, on, pseudo_trials)

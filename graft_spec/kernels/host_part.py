@@ -29,7 +29,7 @@ import torch
 
 from ..sources import SOURCE_OUTPUTS, SOURCE_SUFFIX
 from ..tree import node_depths, path_min, pointer_jumps, pointer_rounds
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -284,7 +284,7 @@ def host_part(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, m
     elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
     args = (tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale,
             under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
-    if (tokens.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(tokens):
         new_par, est, valid, bins = torch.ops.graft.host_part(*args)
         return tokens, new_par, est, valid, bins, member
     return host_part_reference(*args)

@@ -162,6 +162,6 @@ def tree_layout(parents: torch.Tensor, seq_lens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verify layout (`layout_reference`'s contract): one fused launch on a CUDA device, the
     torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if (parents.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(parents):
         return torch.ops.graft.tree_layout(parents, seq_lens)
     return layout_reference(parents, seq_lens)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -260,6 +260,6 @@ if triton is not None:
 def observe_rows(*args, **kwargs):
     """`observe_rows_reference`'s contract: one fused launch on a CUDA device (or inside
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if (args[0].is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(args[0]):
         return torch.ops.graft.observe_rows(*args, **kwargs)
     return observe_rows_reference(*args, **kwargs)

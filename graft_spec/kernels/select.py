@@ -29,7 +29,7 @@ import torch
 
 from ..sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING
 from ..tree import HASH_ADD, HASH_MIX, HASH_POW, pointer_rounds
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -42,7 +42,7 @@ _CAPS = {"never": 0, "greedy": 1, "always": 2}
 def select_fused(tokens: torch.Tensor) -> bool:
     """True when `graft.merge_select` calls the op: on a CUDA device or inside
     `fused_ops_everywhere`, unless ``GRAFT_REFERENCE_KERNELS=1``."""
-    return (tokens.is_cuda or _EVERYWHERE[0]) and fused_enabled()
+    return fused_kernels_for(tokens)
 
 
 if triton is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -139,6 +139,6 @@ if triton is not None:
 def stack_candidates(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list[torch.Tensor]:
     """`stack_reference`'s contract: one fused launch on a CUDA device (or inside
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if (speculate.is_cuda or _EVERYWHERE[0]) and fused_enabled() and len(blocks) <= FIELDS * MAX_BLOCKS:
+    if fused_kernels_for(speculate) and len(blocks) <= FIELDS * MAX_BLOCKS:
         return torch.ops.graft.stack_candidates(blocks, speculate)
     return stack_reference(blocks, speculate)

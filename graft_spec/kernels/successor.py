@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
@@ -126,7 +126,7 @@ if triton is not None:
 def successor_update(*args) -> None:
     """`successor_update_reference`'s contract: one fused launch on a CUDA device (or inside
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if (args[0].is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(args[0]):
         torch.ops.graft.successor_update(*args)
     else:
         successor_update_reference(*args)

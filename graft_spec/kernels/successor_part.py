@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..sources import SOURCE_SUCCESSOR
-from .layout import _EVERYWHERE, fused_enabled, triton
+from .layout import fused_kernels_for, triton
 from .successor import table_rows
 
 if triton is not None:
@@ -199,6 +199,6 @@ def successor_part(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Ten
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
     args = (roots, groups, sampled, table, t_parent, t_rank, t_depth, est_table, scale, under,
             rows, vocab, levels, bin_offset, per_mode)
-    if (roots.is_cuda or _EVERYWHERE[0]) and fused_enabled():
+    if fused_kernels_for(roots):
         return torch.ops.graft.successor_part(*args)
     return successor_part_reference(*args)

@@ -10,9 +10,7 @@ them and as tracemalloc measures real allocations), and ``stop_request`` frees a
 from __future__ import annotations
 
 import random
-import sys
 import tracemalloc
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -144,21 +142,11 @@ def test_hook_adds_the_key_and_never_raises():
     assert server_stats.add_graft_stats(odd, controller) is odd
 
 
-def test_registration_only_where_the_scheduler_runs_and_once(monkeypatch):
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def test_registration_only_where_the_scheduler_runs_and_once(check_hook_registration):
+    from sglang.srt.plugins.hook_registry import HookType
 
-    calls = []
-    monkeypatch.setattr(HookRegistry, "register",
-                        classmethod(lambda cls, target, hook, kind=HookType.AFTER: calls.append((target, hook, kind))))
-    from sglang_patch import registration
-
-    monkeypatch.setattr(registration, "_HOOKED", set())
-    monkeypatch.delitem(sys.modules, server_stats.TARGET_MODULE, raising=False)
-    assert server_stats.register_server_stats() is False and calls == []  # e.g. the HTTP process
-    monkeypatch.setitem(sys.modules, server_stats.TARGET_MODULE, types.ModuleType("fake"))
-    assert server_stats.register_server_stats() is True
-    assert server_stats.register_server_stats() is False  # idempotent
-    assert calls == [(server_stats.TARGET, server_stats.add_graft_stats, HookType.AFTER)]
+    check_hook_registration(server_stats.register_server_stats, server_stats.TARGET_MODULE, server_stats.TARGET,
+                            server_stats.add_graft_stats, HookType.AFTER)
     assert server_stats.TARGET.startswith(server_stats.TARGET_MODULE + ".SchedulerInternalStateController.")
 
 
