@@ -13,7 +13,8 @@ inverse-CDF sampling: child i is accepted iff ``sum_{j<i} p(x_j) <= u < sum_{j<=
 so P(accept x_i) = p(x_i). If no child is accepted (or the node is a leaf) the bonus is
 sampled from p with all children zeroed, renormalised. Every emitted token is therefore
 exactly ~p for *any* candidate set that does not depend on the verification coins,
-provided sibling tokens are distinct (a repeated token would be tried twice).
+provided sibling tokens are distinct (a repeated token would be tried twice). `sample_verify`
+runs it through ``graft::tree_sample`` (kernels/tree_sample.py), the op SGLang's graft verify uses.
 
 Sources: both functions count accepted nodes (root excluded, bonus excluded) per
 `SOURCE_*` when ``source`` is given.
@@ -27,7 +28,7 @@ from typing import Optional, Union
 import torch
 
 from .sources import NUM_SOURCES
-from .tree import ancestor_mask, node_depths
+from .tree import ancestor_mask, sibling_links
 
 __all__ = ["VerifyResult", "greedy_verify", "sample_verify", "logits_to_probs"]
 
@@ -112,57 +113,40 @@ def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch
 def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor, *,
                   generator: Optional[torch.Generator] = None,
                   source: Optional[torch.Tensor] = None) -> VerifyResult:
-    """Target-only tree rejection sampling (see module docstring).
+    """Target-only tree rejection sampling (see module docstring) of parents-array trees, by
+    ``graft::tree_sample`` (kernels/tree_sample.py: the fused kernel on a CUDA device, its torch
+    reference elsewhere) with coins drawn from ``generator``.
 
     Args:
-        tokens: ``int64[B, N]``; parents: ``int64[B, N]``; siblings must be distinct.
+        tokens: ``int64[B, N]``; parents: ``int64[B, N]`` (-1 root, parent < child); siblings must
+            be distinct and are tried in index order.
         target_probs: ``float[B, N, V]`` target distribution after each node (already
             temperature / top-k / top-p processed, e.g. by `logits_to_probs`); rows are
-            renormalised here in float64.
-        generator: RNG for the coins (one uniform per level and one categorical draw).
+            renormalised here.
+        generator: RNG for the coins (one uniform per node and one for the bonus).
         source: optional node sources.
     Returns:
-        `VerifyResult`. One host sync per tree level (loop bound = deepest node).
+        `VerifyResult`. No host read.
     """
+    from .kernels.tree_sample import tree_sample
+
     b, n = tokens.shape
     dev = tokens.device
-    v = target_probs.shape[-1]
-    rows = torch.arange(b, device=dev)
-    cur = torch.zeros(b, dtype=torch.int64, device=dev)
-    active = torch.ones(b, dtype=torch.bool, device=dev)
-    on_path = torch.zeros(b, n, dtype=torch.bool, device=dev)
-    on_path[:, 0] = True
-    bonus = torch.zeros(b, dtype=torch.int64, device=dev)
-    if n == 1:  # a root-only tree (a plain decode round): the bonus is a draw from the root's distribution
-        bonus = torch.multinomial(target_probs[:, 0].float(), 1, generator=generator).squeeze(1)
-        return _finish(on_path, bonus, source)
-    max_depth = int(node_depths(parents).max().item())
-    for _ in range(max_depth + 1):
-        p = target_probs[rows, cur].to(torch.float64)
-        p = p / p.sum(dim=1, keepdim=True)
-        children = (parents == cur[:, None]) & active[:, None]
-        pc = torch.where(children, p.gather(1, tokens.clamp(0, v - 1)), 0.0)
-        cum = pc.cumsum(dim=1)
-        cand = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
-        cand.scatter_(1, torch.where(children, tokens.clamp(0, v - 1), v), True)
-        resid = torch.where(cand[:, :v], 0.0, p)
-        rmass = resid.sum(dim=1)
-        u = torch.rand(b, generator=generator, dtype=torch.float64, device=dev)
-        total = cum[:, -1]
-        u = torch.where(rmass <= 0, u * total, u)  # candidates cover all mass: never reject
-        hit = children & (u[:, None] < cum)
-        accepted = hit.any(dim=1) & active
-        nxt = hit.to(torch.int8).argmax(dim=1)
-        safe_resid = torch.where((rmass > 0)[:, None], resid, p)
-        draw = torch.multinomial(safe_resid.float(), 1, generator=generator).squeeze(1)
-        stop = active & ~accepted
-        bonus = torch.where(stop, draw, bonus)
-        on_path[rows, nxt] |= accepted
-        cur = torch.where(accepted, nxt, cur)
-        active = accepted
-        if not bool(active.any()):
-            break
-    return _finish(on_path, bonus, source)
+    probs = target_probs.float()
+    probs = (probs / probs.sum(dim=-1, keepdim=True)).contiguous()
+    coins = torch.rand(b, n + 1, generator=generator, device=dev).clamp_(max=1.0 - 2.0 ** -24)
+    first_child, next_sibling = sibling_links(parents)
+    predicts = torch.zeros(b * n, dtype=torch.int32, device=dev)
+    accept = torch.full((b, n), -1, dtype=torch.int32, device=dev)
+    num = torch.zeros(b, dtype=torch.int32, device=dev)
+    glob = torch.arange(b * n, device=dev).view(b, n)
+    tree_sample(predicts, accept, num, tokens, glob, first_child, next_sibling, coins[:, :n].contiguous(),
+                coins[:, n].contiguous(), probs)
+    path = torch.where(accept >= 0, accept.to(torch.int64) - glob[:, :1], -1)
+    on_path = torch.zeros(b, n + 1, dtype=torch.bool, device=dev).scatter_(1, torch.where(path >= 0, path, n), True)
+    last = path.gather(1, num.to(torch.int64)[:, None])
+    bonus = predicts.view(b, n).to(torch.int64).gather(1, last).squeeze(1)
+    return _finish(on_path[:, :n], bonus, source)
 
 
 Param = Union[float, int, torch.Tensor, None]

@@ -76,6 +76,7 @@ from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, 
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from graft_spec.pipeline import GraftStats, prometheus_enabled
 from sglang_patch.kv_reserve import kept_widths
+from sglang_patch.tree_sampling import graft_sampling
 from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
 logger = logging.getLogger(__name__)
@@ -563,10 +564,14 @@ class GraftWorker(EAGLEWorkerV2):
 
     # ------------------------------------------------------------------ verify
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
-        """EAGLE verify of the hybrid tree, then the round's device bookkeeping."""
+        """EAGLE verify of the hybrid tree (sampled requests by graft's tree sampling, without the zero
+        draft-probability tensor: `sglang_patch.tree_sampling`), then the round's device bookkeeping."""
         verify_input = batch.spec_info
         plain = self.speculative_num_draft_tokens == 1
-        with _rebound(_ewc, "_finalize_accept_tree_path", _path_already_in_front) if plain else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(graft_sampling())
+            if plain:
+                stack.enter_context(_rebound(_ewc, "_finalize_accept_tree_path", _path_already_in_front))
             result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if (isinstance(verify_input, GraftVerifyInput) and verify_input.graft_out is not None
                 and not batch.forward_mode.is_idle()):

@@ -25,9 +25,9 @@ Per round (transient, batch ``B``, ``T = B * w`` verify tokens):
 * greedy: target logits ``[T, V]`` float32 (the vocab-parallel head all-gathers the full vocabulary on
   every rank), the captured aux hidden states ``[T, 3H]``, the residual stream and one layer's
   activations (attention q/k/v/o, and for MoE the routed ``[T * top_k, 2 * I / tp]`` expert input);
-* sampled: plus the target probabilities ``[B, w, V]`` float32 and the zero draft probabilities of
-  the same size that SGLang's tree sampling takes (``speculative/eagle_utils.py:724-748``); graft's
-  target-only rejection reads only the first, the table shows both so the saving is visible.
+* sampled: plus the target probabilities ``[B, w, V]`` float32; EAGLE-3 also allocates the zero draft
+  probabilities of the same size that SGLang's tree sampling kernel takes
+  (``speculative/eagle_utils.py:744-748``), graft does not (its own kernel, ``sglang_patch/tree_sampling.py``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def width_state_bytes(s: Serving, width: int) -> int:
     return s.attn_workspace + mask + draft
 
 
-def round_bytes(m: ModelShape, s: Serving, width: int, sampled: bool, zero_draft_probs: bool = True) -> int:
+def round_bytes(m: ModelShape, s: Serving, width: int, sampled: bool, zero_draft_probs: bool) -> int:
     """Transient bytes of one verify round at batch ``s.batch`` and ``width`` tokens per request.
 
     Args:
@@ -213,11 +213,10 @@ def table(m: ModelShape, d: Optional[DraftShape], s: Serving) -> Dict:
         rows.append({
             "width": w,
             "state_graft": 0 if w == n else width_state_bytes(s, w),
-            "round_greedy_eagle3": round_bytes(m, s, w, sampled=False),
-            "round_greedy_graft": round_bytes(m, s, w, sampled=False),
-            "round_sampled_eagle3": round_bytes(m, s, w, sampled=True),
-            "round_sampled_graft_now": round_bytes(m, s, w, sampled=True),
-            "round_sampled_graft_target_only": round_bytes(m, s, w, sampled=True, zero_draft_probs=False),
+            "round_greedy_eagle3": round_bytes(m, s, w, sampled=False, zero_draft_probs=True),
+            "round_greedy_graft": round_bytes(m, s, w, sampled=False, zero_draft_probs=False),
+            "round_sampled_eagle3": round_bytes(m, s, w, sampled=True, zero_draft_probs=True),
+            "round_sampled_graft": round_bytes(m, s, w, sampled=True, zero_draft_probs=False),
         })
     persistent = graft_persistent_bytes(m, s)
     extra_states = sum(r["state_graft"] for r in rows)
@@ -248,12 +247,11 @@ def render(name: str, t: Dict) -> str:
              + ", ".join(f"{k} {_fmt(v)}" for k, v in t["graft_persistent"].items()) + ")",
              "",
              "| width w | graft state (extra) | round greedy (EAGLE-3 = graft) | round sampled EAGLE-3 "
-             "| round sampled graft now | graft target-only (no zero draft probs) |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| round sampled graft (no zero draft probs) |",
+             "|---:|---:|---:|---:|---:|"]
     for r in t["widths"]:
         lines.append(f"| {r['width']} | {_fmt(r['state_graft'])} | {_fmt(r['round_greedy_graft'])} | "
-                     f"{_fmt(r['round_sampled_eagle3'])} | {_fmt(r['round_sampled_graft_now'])} | "
-                     f"{_fmt(r['round_sampled_graft_target_only'])} |")
+                     f"{_fmt(r['round_sampled_eagle3'])} | {_fmt(r['round_sampled_graft'])} |")
     return "\n".join(lines)
 
 

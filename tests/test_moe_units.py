@@ -177,7 +177,7 @@ def test_memory_table_from_the_shipped_shapes():
         assert rows[60]["state_graft"] == 0 and rows[30]["state_graft"] > memory.FLASHINFER_WORKSPACE_BYTES
         for w, r in rows.items():
             probs = 64 * w * m.vocab * 4
-            assert r["round_sampled_eagle3"] - r["round_sampled_graft_target_only"] == probs
+            assert r["round_sampled_eagle3"] - r["round_sampled_graft"] == probs
             assert r["round_greedy_graft"] == r["round_greedy_eagle3"]
         assert t["graft_beyond_eagle3"] == t["graft_width_states"] + sum(t["graft_persistent"].values())
     assert "| 60 |" in memory.render("x", t)

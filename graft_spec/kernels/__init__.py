@@ -9,7 +9,7 @@ A round's build (step.py), in order: `draft_part` (the draft's rerank), `request
 per-request correction), `successor_part`, `chain_part` (lookup and output index) and `host_part`
 (the host proposals, re-anchored), `stack_candidates`, `merge_select` (select.py), `tree_layout`
 (layout.py). After verify (`GraftPlanner.observe`): `observe_rows`, `successor_update`,
-`refresh_table`.
+`refresh_table`. Verify of sampled requests: `tree_sample` (target-only tree rejection sampling).
 
 Tests: every kernel against its reference under ``TRITON_INTERPRET=1`` on CPU tensors
 (tests/interpret/, run by tests/test_kernels.py in a subprocess). Switch:

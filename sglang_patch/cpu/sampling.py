@@ -5,9 +5,11 @@ On a device without CUDA, SGLang 0.5.23 resolves the verify sampling kernels to 
 ``eagle_sample`` (``srt/speculative/eagle_utils.py:521``) cannot take its sampling branch (and
 SGLang's own CPU engine forces greedy verification instead, ``_verify_uses_greedy`` :485).
 `eagle_sample_hook` supplies torch implementations for the duration of each ``eagle_sample``
-call, so sampled requests are verified by target-only tree rejection sampling, which is lossless:
-the tree's tokens are deterministic given the draft, siblings are distinct, and the acceptance
-thresholds are 1.0 (``speculative_accept_threshold_single/acc`` defaults).
+call, so sampled requests are verified by target-only tree rejection sampling
+(``sglang_patch/tree_sampling.py``: graft's ``graft::tree_sample`` op, whose CPU implementation is
+its torch reference), which is lossless: the tree's tokens are deterministic given the draft,
+siblings are distinct, and the acceptance thresholds are 1.0
+(``speculative_accept_threshold_single/acc`` defaults).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 import torch
 
-from sglang_patch.cpu.tree_ops import parents_from_links, write_accepted_path
+from sglang_patch.tree_sampling import tree_speculative_sampling_target_only
 
 EAGLE_UTILS = "sglang.srt.speculative.eagle_utils"
 
@@ -65,51 +67,6 @@ def top_p_renorm_prob(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor
     srt = torch.where(before > top_ps.reshape(-1, 1).to(srt.dtype), torch.zeros_like(srt), srt)
     kept = torch.zeros_like(probs).scatter_(-1, idx, srt)
     return kept / kept.sum(dim=-1, keepdim=True)
-
-
-def tree_speculative_sampling_target_only(
-    predicts: torch.Tensor,
-    accept_index: torch.Tensor,
-    accept_token_num: torch.Tensor,
-    candidates: torch.Tensor,
-    retrive_index: torch.Tensor,
-    retrive_next_token: torch.Tensor,
-    retrive_next_sibling: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    uniform_samples_for_final_sampling: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    threshold_single: float = 1.0,
-    threshold_acc: float = 1.0,
-    deterministic: bool = True,
-) -> None:
-    """Torch ``tree_speculative_sampling_target_only`` (kernels/ops/speculative/sampling.py:33).
-
-    Target-only tree rejection sampling by ``graft_spec.verify.sample_verify``; results are
-    written in SGLang's layout (see ``tree_ops.write_accepted_path``).
-
-    Args (SGLang's): ``candidates`` / links ``[B, N]``; ``target_probs`` ``float[B, N, V]``;
-    ``draft_probs`` must be all zero (target-only); the thresholds must be 1.0 (anything else is
-    lossy by design and is refused). The uniform samples are not used: randomness comes from
-    torch's default generator.
-    Raises:
-        ValueError: thresholds other than 1.0.
-    """
-    from graft_spec.pipeline import sample_verify
-
-    del uniform_samples, uniform_samples_for_final_sampling, draft_probs, deterministic
-    if threshold_single != 1.0 or threshold_acc != 1.0:
-        raise ValueError("CPU tree sampling is lossless only: speculative accept thresholds must be 1.0")
-    parents = parents_from_links(retrive_next_token, retrive_next_sibling)
-    result = sample_verify(candidates.to(torch.int64), parents, target_probs.float())
-    path = result.accept_index
-    nxt = candidates.to(torch.int64).gather(1, path[:, 1:].clamp(min=0))
-    last = (path >= 0).sum(dim=1) - 1
-    # one column more than the path's children, also for a root-only tree (N = 1: nxt is [B, 0])
-    path_tokens = torch.cat([nxt, nxt.new_zeros(nxt.shape[0], 1)], dim=1)
-    path_tokens.scatter_(1, last[:, None], result.bonus.to(torch.int64)[:, None])
-    write_accepted_path(path, path_tokens, predicts, accept_index, accept_token_num, retrive_index,
-                        accept_index.shape[1])
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
