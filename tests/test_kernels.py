@@ -21,15 +21,40 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = sorted(p.name for p in (ROOT / "tests" / "interpret").glob("test_*_interpreted.py"))
 
 
-def test_fused_kernels_equal_their_references_under_the_interpreter():
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """The interpreter subprocess over every tests/interpret file: ``(completed process, output tail,
+    path of the recorded kernel launches)`` (tests/kernel_launches.py)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    launches = tmp_path_factory.mktemp("kernels") / "launches.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
+               GRAFT_RECORD_LAUNCHES=str(launches))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           *(str(ROOT / "tests" / "interpret" / f) for f in INTERPRETED)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    tail = run.stdout[-3000:] + run.stderr[-2000:]
+    return run, run.stdout[-3000:] + run.stderr[-2000:], launches
+
+
+def test_fused_kernels_equal_their_references_under_the_interpreter(interpreted):
+    run, tail, _ = interpreted
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
+
+
+def test_every_interpreted_kernel_compiles_for_a_cuda_gpu(interpreted):
+    """Each distinct launch of the interpreted tests (kernel, argument types, flags) is compiled for
+    ``sm_90`` down to a cubin (Triton's own compiler and ptxas, no GPU needed): the interpreter never
+    lowers a kernel, so this is what says the tested code is code a GPU can run."""
+    pytest.importorskip("triton.backends.nvidia")
+    _, tail, launches = interpreted
+    assert launches.exists(), tail
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_launches.py"), str(launches)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "compiled for sm_90" in run.stdout, run.stdout
+    assert "_tree_sample_kernel" in run.stdout and "_select_kernel" in run.stdout, run.stdout
 
 
 def test_layout_op_is_one_dispatch_and_the_reference_on_cpu():

@@ -8,7 +8,10 @@ row's U candidates as vectors:
   so the path hashes and `path_min` run the reference's pointer jumping round for round;
 - a scatter-reduce by group (dedupe buckets, best member, member bins) and the ranks (the
   reference's stable sorts and top-k: the candidates with a larger `order_key`) are ``U x U``
-  tiles reduced over one axis;
+  comparisons reduced over one axis, ``BLOCK x 32`` at a time: the j side is stored into the
+  row's scratch and read back 32 lanes per loop step, so a thread holds ``BLOCK * 32 / threads``
+  elements of a tile rather than ``BLOCK**2 / threads`` (whole tiles spill registers and make the
+  compiled code grow with ``U**2``);
 - the float prefix sums (`sibling_caps`' and the gain curve's ``torch.cumsum``) run as one
   sequential loop over a scratch row, accumulating in float64 and rounding every partial sum to
   float32, as torch's CPU cumsum does, so the two agree bit for bit (the reference run on a CUDA
@@ -65,9 +68,10 @@ if triton is not None:
     @triton.jit
     def _select_kernel(tok_ptr, par_ptr, key_ptr, est_ptr, valid_ptr, mem_ptr, bins_ptr,
                        sampled_ptr, table_ptr, rows_ptr, agree_offset, min_score, root_width,
-                       out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch,
+                       out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch, jscratch,
                        U: tl.constexpr, N: tl.constexpr, G: tl.constexpr, KN: tl.constexpr,
-                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, CAPS: tl.constexpr,
+                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr, BN: tl.constexpr,
+                       CAPS: tl.constexpr,
                        HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr, HAS_ROWS: tl.constexpr,
                        MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr):
         """One request per program; the candidates in ``BLOCK`` >= U lanes (see the module docstring
@@ -84,6 +88,10 @@ if triton is not None:
         sorted_e = fw0 + 2 * U
         before = fw0 + 3 * U
         ranked = fw0 + 4 * U
+        jw0 = jscratch + b * (4 * U)      # the j side of the U x U reductions, read BJ lanes at a time
+        jw1 = jw0 + U
+        jw2 = jw0 + 2 * U
+        jw3 = jw0 + 3 * U
         inf = float("inf")
         tok = tl.load(tok_ptr + row, mask=live, other=0)
         par = tl.load(par_ptr + row, mask=live, other=-1)
@@ -118,8 +126,15 @@ if triton is not None:
         pending = valid
         for r in tl.static_range(4):
             bucket = (s >> (r * 13 + 3)) & 255
-            inb = pending[None, :] & (bucket[None, :] == bucket[:, None])
-            cand = tl.minimum(tl.min(tl.where(inb, lanes[None, :], U), axis=1), U - 1)
+            tl.debug_barrier()
+            tl.store(jw0 + lanes, tl.where(pending, bucket, -1), mask=live)
+            tl.debug_barrier()
+            cand = tl.full([BLOCK], U, tl.int32)
+            for j0 in range(0, BLOCK, BJ):
+                j = j0 + tl.arange(0, BJ)
+                bj = tl.load(jw0 + j, mask=j < U, other=-1)
+                cand = tl.minimum(cand, tl.min(tl.where(bj[None, :] == bucket[:, None], j[None, :], U), axis=1))
+            cand = tl.minimum(cand, U - 1)
             ok = pending & (tl.load(iw0 + cand) == s)
             canon = tl.where(ok, cand.to(tl.int64), canon)
             pending = pending & ~ok
@@ -127,8 +142,29 @@ if triton is not None:
 
         # 2. the group's best member, every member's bin, agreement
         okey = _order_key(key, lanes)
-        group = valid[None, :] & (canon[None, :] == lanes[:, None])              # [canonical i, member j]
-        best = tl.max(tl.where(group, okey[None, :], -4611686018427387904), axis=1)
+        member = tl.minimum(tl.maximum(tl.load(mem_ptr + row, mask=live, other=0), 0), _NM - 1)
+        bins = tl.load(bins_ptr + row, mask=live, other=-1).to(tl.int64)
+        binv = tl.where(valid & (bins >= 0), bins, -1)
+        tl.debug_barrier()
+        tl.store(jw0 + lanes, tl.where(valid, canon, -1), mask=live)
+        tl.store(jw1 + lanes, okey, mask=live)
+        tl.store(jw2 + lanes, member.to(tl.int64), mask=live)
+        tl.store(jw3 + lanes, binv, mask=live)
+        tl.debug_barrier()
+        mlanes = tl.arange(0, 8)
+        best = tl.full([BLOCK], -4611686018427387904, tl.int64)
+        mb = tl.full([BLOCK, 8], -1, tl.int64)
+        for j0 in range(0, BLOCK, BJ):           # [canonical i, member j]: the group's best key, member bins
+            j = j0 + tl.arange(0, BJ)
+            inj = j < U
+            group = tl.load(jw0 + j, mask=inj, other=-1)[None, :] == lanes[:, None]
+            best = tl.maximum(best, tl.max(tl.where(group, tl.load(jw1 + j, mask=inj, other=0)[None, :],
+                                                    -4611686018427387904), axis=1))
+            mj = tl.load(jw2 + j, mask=inj, other=-1)
+            bj = tl.load(jw3 + j, mask=inj, other=-1)
+            for m in tl.static_range(_NM):
+                got = tl.max(tl.where(group & (mj[None, :] == m), bj[None, :], -1), axis=1)
+                mb = tl.where(mlanes[None, :] == m, tl.maximum(mb, got[:, None]), mb)
         best_idx = tl.minimum(tl.maximum(1048575 - (best & 1048575), 0), U - 1)
         tl.debug_barrier()
         tl.store(fw0 + lanes, key, mask=live)
@@ -139,14 +175,6 @@ if triton is not None:
         gest = tl.load(est_ptr + b * U + best_idx)
         src = tl.load(mem_ptr + b * U + best_idx).to(tl.int64)
         retrieved_best = src != _DRAFT
-        member = tl.minimum(tl.maximum(tl.load(mem_ptr + row, mask=live, other=0), 0), _NM - 1)
-        bins = tl.load(bins_ptr + row, mask=live, other=-1).to(tl.int64)
-        binv = tl.where(valid & (bins >= 0), bins, -1)
-        mlanes = tl.arange(0, 8)
-        mb = tl.full([BLOCK, 8], -1, tl.int64)
-        for m in tl.static_range(_NM):
-            got = tl.max(tl.where(group & (member[None, :] == m), binv[None, :], -1), axis=1)
-            mb = tl.where(mlanes[None, :] == m, got[:, None], mb)
         if HAS_AGREE:
             drafted = tl.max(tl.where(mlanes[None, :] == _DRAFT, mb, -1), axis=1)
             retr = tl.max(tl.where((mlanes[None, :] > _DRAFT) & (mlanes[None, :] < _AGREE), mb, -1),
@@ -168,7 +196,14 @@ if triton is not None:
         if HAS_RW:
             kids = unique & (cpar == 0) & retrieved_best
             k2 = _order_key(tl.where(kids, gkey, -inf), lanes)
-            rank2 = tl.sum(((k2[None, :] > k2[:, None]) & live[None, :]).to(tl.int32), axis=1)
+            tl.debug_barrier()
+            tl.store(jw0 + lanes, k2, mask=live)
+            tl.debug_barrier()
+            rank2 = tl.zeros([BLOCK], dtype=tl.int32)
+            for j0 in range(0, BLOCK, BJ):
+                j = j0 + tl.arange(0, BJ)
+                kj = tl.load(jw0 + j, mask=j < U, other=0)
+                rank2 += tl.sum(((kj[None, :] > k2[:, None]) & (j < U)[None, :]).to(tl.int32), axis=1)
             gkey = tl.where(kids & (rank2 >= root_width), -inf, gkey)
         p = cp
         for _ in range(ROUNDS):       # `path_min`
@@ -183,10 +218,20 @@ if triton is not None:
         if CAPS != 0:   # `sibling_caps`: sort by (parent, key desc), a float64 prefix sum in that order
             e = tl.where(gkey > -inf, gest, 0.0)
             ok2 = _order_key(gkey, lanes)
-            lower = (cpar[None, :] < cpar[:, None]) & live[None, :]
-            start = tl.sum(lower.to(tl.int32), axis=1)
-            pos = tl.sum((lower | ((cpar[None, :] == cpar[:, None]) & (ok2[None, :] > ok2[:, None])
-                                   & live[None, :])).to(tl.int32), axis=1)
+            tl.debug_barrier()
+            tl.store(jw0 + lanes, cpar, mask=live)
+            tl.store(jw1 + lanes, ok2, mask=live)
+            tl.debug_barrier()
+            start = tl.zeros([BLOCK], dtype=tl.int32)
+            pos = tl.zeros([BLOCK], dtype=tl.int32)
+            for j0 in range(0, BLOCK, BJ):
+                j = j0 + tl.arange(0, BJ)
+                inj = (j < U)[None, :]
+                cj = tl.load(jw0 + j, mask=j < U, other=0)[None, :]
+                lower = (cj < cpar[:, None]) & inj
+                start += tl.sum(lower.to(tl.int32), axis=1)
+                pos += tl.sum((lower | ((cj == cpar[:, None]) & (tl.load(jw1 + j, mask=j < U, other=0)[None, :]
+                                                                  > ok2[:, None]) & inj)).to(tl.int32), axis=1)
             tl.store(sorted_e + pos, e, mask=live)
             tl.debug_barrier()
             acc = tl.full([], 0.0, tl.float64)
@@ -223,7 +268,14 @@ if triton is not None:
         # 3. fill: rank the non-root nodes, the gain curve in rank order, the N - 1 best
         rest = live & (lanes > 0)
         ok3 = _order_key(gkey, lanes)
-        rank = tl.sum(((ok3[None, :] > ok3[:, None]) & rest[None, :]).to(tl.int32), axis=1)
+        tl.debug_barrier()
+        tl.store(jw0 + lanes, ok3, mask=live)
+        tl.debug_barrier()
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, BLOCK, BJ):
+            j = j0 + tl.arange(0, BJ)
+            oj = tl.load(jw0 + j, mask=j < U, other=0)
+            rank += tl.sum(((oj[None, :] > ok3[:, None]) & ((j < U) & (j > 0))[None, :]).to(tl.int32), axis=1)
         tl.store(ranked + rank, tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0), mask=rest)
         tl.debug_barrier()
         acc = tl.full([], 0.0, tl.float64)
@@ -282,6 +334,7 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
     b, u = tokens.shape
     n, g = num_nodes, gain_nodes - 1
     dev = tokens.device
+    block = triton.next_power_of_2(max(u, 2))
     i64 = lambda t: t.contiguous().to(torch.int64)  # noqa: E731
     out_tok = torch.empty(b, n, dtype=torch.int64, device=dev)
     out_par = torch.empty_like(out_tok)
@@ -292,18 +345,19 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
     if b > 0:
         iscratch = torch.empty(b, 2 * u, dtype=torch.int64, device=dev)
         fscratch = torch.empty(b, 5 * u, dtype=torch.float32, device=dev)
+        jscratch = torch.empty(b, 4 * u, dtype=torch.int64, device=dev)
         flags = lambda t: t.contiguous() if t is not None else out_tok  # noqa: E731  (bool, or unused)
         table = agree_table.contiguous().float() if agree_table is not None else out_est
         _select_kernel[(b,)](
             i64(tokens), i64(parents), key.contiguous().float(), est.contiguous().float(), flags(valid),
             i64(member), i64(bins), flags(sampled), table, flags(agree_rows), int(agree_offset),
             float(min_score), int(root_width or 0), out_tok, out_par, out_est, out_src, out_mb, gain,
-            iscratch, fscratch,
+            iscratch, fscratch, jscratch,
             U=u, N=n, G=g, KN=min(n - 1, u - 1), ROUNDS=pointer_rounds(u + 1),
-            BLOCK=triton.next_power_of_2(max(u, 2)), BN=triton.next_power_of_2(max(n, 2)),
+            BLOCK=block, BJ=min(block, 32), BN=triton.next_power_of_2(max(n, 2)),
             CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
             HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
-            num_warps=8 if u > 64 else 4)                   # U x U tiles: more threads share the registers
+            num_warps=8 if u > 64 else 4)
     return out_tok, out_par, out_est.log(), out_src, out_mb, gain
 
 
