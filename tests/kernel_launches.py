@@ -6,18 +6,22 @@ variable whose type changes, an op the interpreter accepts on a scalar and the c
 `install_recorder` records each distinct launch of the interpreted tests (kernel, argument types,
 constexpr values, launch options) and `compile_launches` compiles each for an NVIDIA target
 (``sm_90`` by default) down to a cubin with the ``ptxas`` shipped in Triton's wheel, on a machine
-with no GPU.
+with no GPU, and holds every launch to `MAX_SPILL_BYTES` of register spills.
 
     TRITON_INTERPRET=1 GRAFT_RECORD_LAUNCHES=/tmp/l.json python -m pytest tests/interpret/...
-    python tests/kernel_launches.py /tmp/l.json       # prints one line per kernel, exits 1 on a failure
+    TRITON_CACHE_DIR=$(mktemp -d) python tests/kernel_launches.py /tmp/l.json [--usage]
+    # exits 1 on a failure; --usage prints every launch's registers and spills
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import inspect
+import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -68,9 +72,9 @@ def install_recorder(path: str) -> None:
                 signature[name] = _arg_type(value)
         entry = {"module": self.fn.__module__, "kernel": self.fn.__name__, "signature": signature,
                  "constexprs": constexprs, "options": options}
-        # one launch per code path: integer constexprs (block sizes, widths) are left out of the key,
-        # flags (bool) and argument types are in it
-        key = dict(entry, constexprs={k: v for k, v in constexprs.items() if not type(v) is int})
+        # one launch per code path and tile shape: flags (bool), block sizes (integer constexprs named
+        # B...) and argument types are in the key; other integer constexprs (widths, loop bounds) are not
+        key = dict(entry, constexprs={k: v for k, v in constexprs.items() if type(v) is not int or k.startswith("B")})
         seen.setdefault(json.dumps(key, sort_keys=True), entry)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
 
@@ -78,39 +82,80 @@ def install_recorder(path: str) -> None:
     atexit.register(lambda: Path(path).write_text(json.dumps(list(seen.values()), indent=1)))
 
 
-def compile_launches(path: str, arch: int = 90) -> list[str]:
-    """Compile every launch recorded in ``path`` for ``cuda`` ``sm_<arch>``; returns the failures,
-    one ``module.kernel: error`` line each (empty when everything compiled).
+#: the most spill-store bytes per thread a launch may have (ptxas -v): local-memory traffic in every
+#: program of the kernel; whole-tile code (a [BLOCK, BLOCK] comparison held at once) goes far past it
+MAX_SPILL_BYTES = 512
 
+
+def _usage(log: str) -> tuple[int, str]:
+    """``(spill store bytes, summary)`` from ptxas' ``-v`` log of one kernel."""
+    lines = [line.split("info    :")[-1].strip() for line in log.splitlines()
+             if "registers" in line or "spill" in line]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    return max(spills, default=0), "; ".join(lines)
+
+
+def compile_launches(path: str, arch: int = 90) -> tuple[list[str], list[str]]:
+    """Compile every launch recorded in ``path`` for ``cuda`` ``sm_<arch>`` (ptxas' log read through
+    ``TRITON_DUMP_PTXAS_LOG``'s knob).
+
+    Returns:
+        ``(failures, usage lines)``: one ``module.kernel: error`` line per launch that did not
+        compile or spills more than `MAX_SPILL_BYTES` (empty when none), and one line per launch
+        with its constexprs, registers and spill bytes.
     Raises:
         ValueError: nothing was recorded.
     """
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     launches = json.loads(Path(path).read_text())
     if not launches:
         raise ValueError(f"{path}: no kernel launch was recorded")
-    failures = []
+    failures, report = [], []
+    logged: dict[str, tuple[int, str]] = {}
+    knobs.nvidia.dump_ptxas_log = True
     for entry in launches:
+        name = f"{entry['module']}.{entry['kernel']}"
         fn = getattr(importlib.import_module(entry["module"]), entry["kernel"])
         src = ASTSource(fn=fn, signature=entry["signature"], constexprs=entry["constexprs"])
+        log = io.StringIO()
         try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=entry["options"])
+            with contextlib.redirect_stdout(log):
+                kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=entry["options"])
             if not kernel.asm.get("cubin"):
                 raise RuntimeError("no cubin")
         except Exception as exc:  # noqa: BLE001 - every failure is reported, not only the first
-            failures.append(f"{entry['module']}.{entry['kernel']}: {type(exc).__name__}: {str(exc)[:2000]}")
-    return failures
+            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
+        spills, summary = _usage(log.getvalue())
+        if summary:
+            logged[kernel.hash] = (spills, summary)
+        elif kernel.hash in logged:          # the same binary as an earlier launch of this run
+            spills, summary = logged[kernel.hash]
+        else:
+            failures.append(f"{name}: no ptxas log (a cached kernel): run with an empty TRITON_CACHE_DIR")
+            continue
+        report.append(f"{entry['kernel']} {entry['constexprs']} {entry['options']}: {summary}")
+        if spills > MAX_SPILL_BYTES:
+            failures.append(f"{name} {entry['constexprs']}: {spills} bytes of spill stores per thread "
+                            f"(limit {MAX_SPILL_BYTES}): {summary}")
+    return failures, report
 
 
 def main(argv: list[str]) -> int:
+    """``kernel_launches.py LAUNCHES.json [--usage]``: compile, print a summary (and with ``--usage``
+    every launch's registers and spills); exit status 1 when a launch failed."""
     launches = json.loads(Path(argv[0]).read_text())
-    failures = compile_launches(argv[0])
+    failures, report = compile_launches(argv[0])
     kernels = sorted({f"{e['module']}.{e['kernel']}" for e in launches})
-    print(f"compiled for sm_90: {len(launches) - len(failures)} of {len(launches)} launches "
-          f"of {len(kernels)} kernels: {', '.join(k.rsplit('.', 1)[1] for k in kernels)}")
+    print(f"compiled for sm_90: {len(launches)} launches of {len(kernels)} kernels "
+          f"({', '.join(k.rsplit('.', 1)[1] for k in kernels)}), {len(failures)} failed")
+    if "--usage" in argv[1:]:
+        for line in report:
+            print(line)
     for line in failures:
         print("FAILED", line)
     return 1 if failures else 0

@@ -42,13 +42,15 @@ def test_fused_kernels_equal_their_references_under_the_interpreter(interpreted)
 
 
 def test_every_interpreted_kernel_compiles_for_a_cuda_gpu(interpreted):
-    """Each distinct launch of the interpreted tests (kernel, argument types, flags) is compiled for
-    ``sm_90`` down to a cubin (Triton's own compiler and ptxas, no GPU needed): the interpreter never
-    lowers a kernel, so this is what says the tested code is code a GPU can run."""
+    """Each distinct launch of the interpreted tests (kernel, argument types, flags, block sizes) is
+    compiled for ``sm_90`` down to a cubin (Triton's own compiler and ptxas, no GPU needed) and spills
+    at most `kernel_launches.MAX_SPILL_BYTES` per thread: the interpreter never lowers a kernel, so
+    this is what says the tested code is code a GPU can run, and run from registers."""
     pytest.importorskip("triton.backends.nvidia")
     _, tail, launches = interpreted
     assert launches.exists(), tail
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
+               TRITON_CACHE_DIR=str(launches.parent / "triton_cache"))     # empty: ptxas runs and logs
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_launches.py"), str(launches)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)

@@ -8,10 +8,10 @@ row's U candidates as vectors:
   so the path hashes and `path_min` run the reference's pointer jumping round for round;
 - a scatter-reduce by group (dedupe buckets, best member, member bins) and the ranks (the
   reference's stable sorts and top-k: the candidates with a larger `order_key`) are ``U x U``
-  comparisons reduced over one axis, ``BLOCK x 32`` at a time: the j side is stored into the
-  row's scratch and read back 32 lanes per loop step, so a thread holds ``BLOCK * 32 / threads``
-  elements of a tile rather than ``BLOCK**2 / threads`` (whole tiles spill registers and make the
-  compiled code grow with ``U**2``);
+  comparisons reduced over one axis, ``BLOCK x BJ`` at a time: the j side is stored into the
+  row's scratch and read back ``BJ = max(8, 4096 / BLOCK)`` lanes per loop step (at most BLOCK),
+  so a tile is at most 4,096 elements, 16 per thread at 8 warps, whatever U (whole ``BLOCK**2``
+  tiles spill registers and make the compiled code grow with ``U**2``);
 - the float prefix sums (`sibling_caps`' and the gain curve's ``torch.cumsum``) run as one
   sequential loop over a scratch row, accumulating in float64 and rounding every partial sum to
   float32, as torch's CPU cumsum does, so the two agree bit for bit (the reference run on a CUDA
@@ -300,7 +300,15 @@ if triton is not None:
         tl.store(out_mb + dst[:, None] * _NM + mlanes[None, :], mb, mask=put[:, None] & (mlanes[None, :] < _NM))
         q = tl.arange(0, BN)
         rootkid = put & (npar == 0)
-        used = tl.max(((tok[:, None] == q[None, :]) & rootkid[:, None]).to(tl.int32), axis=0) > 0
+        tl.debug_barrier()
+        tl.store(jw0 + lanes, tl.where(rootkid, tok, -1), mask=live)
+        tl.debug_barrier()
+        used = tl.zeros([BN], dtype=tl.int32)            # the root's children's tokens below N
+        for i0 in range(0, BLOCK, BJ):
+            i = i0 + tl.arange(0, BJ)
+            ti = tl.load(jw0 + i, mask=i < U, other=-1)
+            used = tl.maximum(used, tl.max((ti[:, None] == q[None, :]).to(tl.int32), axis=0))
+        used = used > 0
         free = ~used & (q < N)
         frank = tl.cumsum(free.to(tl.int32), axis=0) - 1
         want = tl.minimum(tl.maximum(q - count, 0), N - 1)
@@ -354,7 +362,7 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
             float(min_score), int(root_width or 0), out_tok, out_par, out_est, out_src, out_mb, gain,
             iscratch, fscratch, jscratch,
             U=u, N=n, G=g, KN=min(n - 1, u - 1), ROUNDS=pointer_rounds(u + 1),
-            BLOCK=block, BJ=min(block, 32), BN=triton.next_power_of_2(max(n, 2)),
+            BLOCK=block, BJ=min(block, max(8, 4096 // block)), BN=triton.next_power_of_2(max(n, 2)),
             CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
             HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
             num_warps=8 if u > 64 else 4)

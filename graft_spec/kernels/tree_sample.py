@@ -204,9 +204,10 @@ if triton is not None:
             offs = v0 + tl.arange(0, BLOCK_V)
             x = _fixed(tl.load(row + offs, mask=offs < V, other=0.0))
             here = tl.sum(((drop_tok >= v0) & (drop_tok < v0 + BLOCK_V)).to(tl.int32), axis=0)
-            if here > 0:
-                hit = tl.max((offs[:, None] == drop_tok[None, :]).to(tl.int32), axis=1)
-                x = tl.where(hit > 0, 0, x)
+            if here > 0:                                 # the tried children in this chunk read as 0
+                for e in range(0, N):
+                    te = tl.max(tl.where(nodes == e, drop_tok, -1), axis=0)
+                    x = tl.where(offs == te, 0, x)
             cum = run + tl.cumsum(x, axis=0)
             count += tl.sum(((cum <= target) & (offs < V)).to(tl.int64), axis=0)
             run += tl.sum(x, axis=0)

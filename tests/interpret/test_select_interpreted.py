@@ -120,3 +120,28 @@ def test_select_kernel_on_the_steps_candidates(b, n, monkeypatch):
     planner.build(*dense_inputs(b, topk, steps, 500, 16, "cpu", torch.Generator().manual_seed(b * n)))
     assert len(seen) == 1 and seen[0][14] is not None     # agreement priced
     compare(seen[0])
+
+
+@pytest.mark.parametrize("n", [24, 60])
+def test_select_kernel_on_the_benchmarks_candidates(n, monkeypatch):
+    """The candidates of `sglang_patch.bench.step`'s workload (default config, Qwen3's vocabulary):
+    the widths the server stacks at N 24 and 60 (U 180 and 360), so the GPU compile check
+    (tests/kernel_launches.py) sees the kernel at the shapes it runs."""
+    from graft_spec import graft
+    from graft_spec.pipeline import dense_draft_candidates
+    from sglang_patch.bench.step import dense_lists, workload
+
+    seen = []
+    reference = graft.merge_select_reference
+    monkeypatch.setattr(graft, "merge_select_reference", lambda *a: seen.append(a) or reference(*a))
+    b, vocab = 2, 151936
+    w = workload(b, n, vocab, seed=n)
+    sl, tl, pl = dense_lists(b, w.topk, w.depth, vocab, w.gen)
+    scores = torch.cat([x.reshape(b, -1) for x in sl], 1)
+    plist = torch.cat([x.reshape(b, -1) for x in pl[:-1]], 1)
+    roots = torch.tensor([w.streams[i].take(1)[0] for i in range(b)])
+    w.planner.build(dense_draft_candidates(scores, torch.cat(tl, 1), plist, w.topk, w.depth), roots,
+                    w.planner.host_candidates(w.rids), torch.arange(b), torch.tensor(w.ctx) - 1,
+                    torch.tensor([False, True]))
+    assert len(seen) == 1 and seen[0][0].shape[1] >= 4 * n
+    compare(seen[0])
