@@ -66,6 +66,21 @@ if triton is not None:
         return mono * 1048576 + (1048575 - lanes.to(tl.int64))
 
     @triton.jit
+    def _rank_above(key, lanes, live, scratch, FIRST: tl.constexpr, U: tl.constexpr, BLOCK: tl.constexpr,
+                    BJ: tl.constexpr):
+        """Per lane i, the lanes j in ``[FIRST, U)`` with ``key[j] > key[i]`` (``int32[BLOCK]``); the j
+        side is stored into ``scratch`` and read back ``BJ`` lanes at a time."""
+        tl.debug_barrier()
+        tl.store(scratch + lanes, key, mask=live)
+        tl.debug_barrier()
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, BLOCK, BJ):
+            j = j0 + tl.arange(0, BJ)
+            kj = tl.load(scratch + j, mask=j < U, other=0)
+            rank += tl.sum(((kj[None, :] > key[:, None]) & ((j < U) & (j >= FIRST))[None, :]).to(tl.int32), axis=1)
+        return rank
+
+    @triton.jit
     def _select_kernel(tok_ptr, par_ptr, key_ptr, est_ptr, valid_ptr, mem_ptr, bins_ptr,
                        sampled_ptr, table_ptr, rows_ptr, agree_offset, min_score, root_width,
                        out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch, jscratch,
@@ -196,14 +211,7 @@ if triton is not None:
         if HAS_RW:
             kids = unique & (cpar == 0) & retrieved_best
             k2 = _order_key(tl.where(kids, gkey, -inf), lanes)
-            tl.debug_barrier()
-            tl.store(jw0 + lanes, k2, mask=live)
-            tl.debug_barrier()
-            rank2 = tl.zeros([BLOCK], dtype=tl.int32)
-            for j0 in range(0, BLOCK, BJ):
-                j = j0 + tl.arange(0, BJ)
-                kj = tl.load(jw0 + j, mask=j < U, other=0)
-                rank2 += tl.sum(((kj[None, :] > k2[:, None]) & (j < U)[None, :]).to(tl.int32), axis=1)
+            rank2 = _rank_above(k2, lanes, live, jw0, 0, U, BLOCK, BJ)
             gkey = tl.where(kids & (rank2 >= root_width), -inf, gkey)
         p = cp
         for _ in range(ROUNDS):       # `path_min`
@@ -268,14 +276,7 @@ if triton is not None:
         # 3. fill: rank the non-root nodes, the gain curve in rank order, the N - 1 best
         rest = live & (lanes > 0)
         ok3 = _order_key(gkey, lanes)
-        tl.debug_barrier()
-        tl.store(jw0 + lanes, ok3, mask=live)
-        tl.debug_barrier()
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for j0 in range(0, BLOCK, BJ):
-            j = j0 + tl.arange(0, BJ)
-            oj = tl.load(jw0 + j, mask=j < U, other=0)
-            rank += tl.sum(((oj[None, :] > ok3[:, None]) & ((j < U) & (j > 0))[None, :]).to(tl.int32), axis=1)
+        rank = _rank_above(ok3, lanes, live, jw0, 1, U, BLOCK, BJ)
         tl.store(ranked + rank, tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0), mask=rest)
         tl.debug_barrier()
         acc = tl.full([], 0.0, tl.float64)
