@@ -2,7 +2,7 @@
 
 SGLang's ``eagle_sample`` (``srt/speculative/eagle_utils.py:521``) verifies sampled requests with
 ``tree_speculative_sampling_target_only`` and hands it ``draft_probs = torch.zeros_like(target_probs)``
-(``:744-748``), a ``float32[B, N, V]`` tensor as large as the target probabilities (1.75 GiB at batch
+(``:744-748``), a ``float32[B, N, V]`` tensor as large as the target probabilities (1.75 GB at batch
 48, N 60 and Qwen3's vocabulary) that the CUDA kernel only writes the rejected children's mass into.
 Graft's kernel (``graft_spec/kernels/tree_sample.py``) zeroes the tried children of the last node
 instead, so while graft verifies (`graft_sampling`):
