@@ -54,7 +54,7 @@ from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, S
                       SOURCE_PADDING)
 from .tree import (DraftTree,
                    ancestor_mask, eagle_step, node_depths, parents_from_mask, path_min, pointer_jumps,
-                   sibling_links)
+                   sibling_links, chain_links)
 from .verify import greedy_verify, sample_verify
 
 #: Successor-table rows (hashed) of each request's own group under ``retrieval.isolation: request``.
@@ -72,7 +72,7 @@ __all__ = [
     "SOURCE_DRAFT", "SOURCE_PADDING", "NUM_SOURCES", "NUM_MEMBERS", "SOURCE_NAMES", "SOURCE_LETTERS",
     "GRAFTED_SOURCES",
     # reference tree / verify functions (an engine's CPU execution layer) and chain verification
-    "ancestor_mask", "node_depths", "sibling_links", "parents_from_mask", "eagle_step", "greedy_verify",
+    "ancestor_mask", "node_depths", "sibling_links", "chain_links", "parents_from_mask", "eagle_step", "greedy_verify",
     "sample_verify", "spine_tree", "Chain", "ChainPricer",
     # serving statistics (host accumulators, graft:* Prometheus series)
     "GraftStats", "prometheus_enabled",

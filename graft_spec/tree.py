@@ -208,6 +208,31 @@ def ancestor_mask(parents: torch.Tensor, jumps: Optional[list[torch.Tensor]] = N
     return mask[:, :n, :n]
 
 
+def chain_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `sibling_links`: from first-child / next-sibling links, ``(parent, rank, prev)``
+    ``int64[B, N]`` of every node: the node whose child chain holds it (-1 for the root and for
+    nodes no link reaches), its position in that chain (0 = first child) and its previous sibling
+    (-1 for a first child). List ranking by pointer jumping, `pointer_rounds` rounds, no host read.
+
+    Args:
+        next_token / next_sibling: ``int[B, N]``, -1 terminated (SGLang's ``retrive_next_*``).
+    """
+    b, n = next_token.shape
+    dev = next_token.device
+    ar = torch.arange(n, device=dev).expand(b, n)
+    nt, ns = next_token.to(torch.int64), next_sibling.to(torch.int64)
+    prev = torch.full((b, n + 1), -1, dtype=torch.int64, device=dev).scatter_(
+        1, torch.where(ns >= 0, ns, n), ar)[:, :n]
+    first_of = torch.full((b, n + 1), -1, dtype=torch.int64, device=dev).scatter_(
+        1, torch.where(nt >= 0, nt, n), ar)[:, :n]
+    jump = torch.where(prev >= 0, prev, ar)            # chain heads point at themselves (rank 0)
+    rank = (prev >= 0).to(torch.int64)
+    for _ in range(pointer_rounds(n)):
+        rank = rank + rank.gather(1, jump)
+        jump = jump.gather(1, jump)
+    return first_of.gather(1, jump), rank, prev
+
+
 def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """First-child / next-sibling arrays, children in increasing index order.
 

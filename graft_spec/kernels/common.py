@@ -13,6 +13,11 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def to_fixed(x):
+        """`calibration.to_fixed`: ``int64`` ``trunc(x * 2**32)`` through float64."""
+        return (x.to(tl.float64) * 4294967296.0).to(tl.int64)
+
+    @triton.jit
     def apply_correction(est, scale, under):
         """`calibration.apply_correction`: ``1 - (1 - est) * scale`` where ``under``, else ``est * scale``."""
         return tl.where(under, 1.0 - (1.0 - est) * scale, est * scale)

@@ -22,7 +22,7 @@ from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
-    from .common import apply_correction
+    from .common import apply_correction, to_fixed
 
 __all__ = ["observe_rows", "observe_rows_reference", "observe_rows_triton", "gain_columns", "expected_lengths",
            "accepted_sources"]
@@ -127,7 +127,7 @@ if triton is not None:
         tl.atomic_add(hits_ptr + safe, one, mask=hit)
         if SOURCE_WINDOW:
             grp = tl.load(group_ptr + safe, mask=valid, other=0)
-            bfx = (tl.load(base_ptr + safe, mask=valid, other=0.0).to(tl.float64) * 4294967296.0).to(tl.int64)
+            bfx = to_fixed(tl.load(base_ptr + safe, mask=valid, other=0.0))
             tl.atomic_add(src_ptr + grp * 3, tl.full([BN, BM], ONE, tl.int64), mask=valid)
             tl.atomic_add(src_ptr + grp * 3 + 1, bfx, mask=valid)
             tl.atomic_add(src_ptr + grp * 3 + 2, tl.full([BN, BM], ONE, tl.int64), mask=hit)
@@ -138,7 +138,7 @@ if triton is not None:
         priced = tl.where(valid, priced, 0.0)
         count = tl.sum(valid.to(tl.int64), axis=0)                                  # [BM]
         hcount = tl.sum(hit.to(tl.int64), axis=0)
-        pfx = tl.sum((priced.to(tl.float64) * 4294967296.0).to(tl.int64), axis=0)
+        pfx = tl.sum(to_fixed(priced), axis=0)
         mrow = members_ptr + b * M * 3 + c * 3
         tl.store(mrow, count.to(tl.float64), mask=c < M)
         tl.store(mrow + 1, pfx.to(tl.float64) * (1.0 / 4294967296.0), mask=c < M)
@@ -156,7 +156,7 @@ if triton is not None:
         tl.store(drow + 1, tl.where(dd == 0, 0.0, na), mask=dd <= MAXD)
         slot = tl.load(slot_ptr + b)
         if RC_ON:
-            efx = tl.sum((est.to(tl.float64) * 4294967296.0).to(tl.int64), axis=0)
+            efx = tl.sum(to_fixed(est), axis=0)
             cf = count.to(tl.float32)
             den = tl.maximum(cf, 1.0)
             rrow = rc_ptr + slot * M * 3 + c * 3

@@ -22,7 +22,7 @@ from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
-    from .common import apply_correction, linear_correction
+    from .common import apply_correction, linear_correction, to_fixed
 
 __all__ = ["refresh_table", "refresh_reference", "refresh_triton"]
 
@@ -82,7 +82,7 @@ def refresh_reference(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Ten
 if triton is not None:
     @triton.jit
     def _fx_sum(x):
-        return tl.sum((x.to(tl.float64) * 4294967296.0).to(tl.int64), axis=0)
+        return tl.sum(to_fixed(x), axis=0)
 
     @triton.jit
     def _from_fx(x):

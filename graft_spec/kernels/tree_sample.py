@@ -13,7 +13,7 @@ Unlike SGLang's kernel this one takes no draft-probability tensor: SGLang passes
 (eagle_utils.py:744-748); here the residual is p minus the tried children, so nothing of that size
 is allocated.
 
-Probabilities and coins are compared in 32.32 fixed point (``int64``: ``trunc(x * 2**32)``), so the
+Probabilities and coins are compared in 32.32 fixed point (``calibration.to_fixed``), so the
 cumulative sums are exact and order-free and the kernel (`_tree_sample_kernel`, one program per
 request) equals the reference (`tree_sample_reference`, vectorised torch) bit for bit on every
 device. The quantisation is 2**-32 per token, below float32's resolution near 1. Rows need not be
@@ -30,42 +30,16 @@ from __future__ import annotations
 
 import torch
 
+from ..calibration import to_fixed
+from ..tree import chain_links
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["tree_sample", "tree_sample_reference", "tree_sample_triton", "to_fixed", "FIXED_SCALE"]
+    from .common import to_fixed as _fixed
 
-#: 32.32 fixed point: ``to_fixed(x) = trunc(x * FIXED_SCALE)``.
-FIXED_SCALE = 2.0 ** 32
-
-
-def to_fixed(x: torch.Tensor) -> torch.Tensor:
-    """``int64`` ``trunc(x * 2**32)`` of a float tensor (through float64: exact for float32 inputs)."""
-    return (x.to(torch.float64) * FIXED_SCALE).to(torch.int64)
-
-
-def _chains(next_token: torch.Tensor, next_sibling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(parent, rank, prev)`` ``int64[B, N]`` of every node from first-child / next-sibling links:
-    the node whose child chain holds it (-1 for the root and unlinked nodes), its position in that
-    chain (0 = first child) and its previous sibling (-1 for a first child). List ranking by pointer
-    jumping, ``ceil(log2 N)`` rounds (no host read)."""
-    b, n = next_token.shape
-    dev = next_token.device
-    ar = torch.arange(n, device=dev).expand(b, n)
-    nt, ns = next_token.to(torch.int64), next_sibling.to(torch.int64)
-    prev = torch.full((b, n + 1), -1, dtype=torch.int64, device=dev).scatter_(
-        1, torch.where(ns >= 0, ns, n), ar)[:, :n]
-    first_of = torch.full((b, n + 1), -1, dtype=torch.int64, device=dev).scatter_(
-        1, torch.where(nt >= 0, nt, n), ar)[:, :n]
-    jump = torch.where(prev >= 0, prev, ar)            # chain heads point at themselves (rank 0)
-    rank = (prev >= 0).to(torch.int64)
-    for _ in range(max(1, (n - 1).bit_length())):
-        rank = rank + rank.gather(1, jump)
-        jump = jump.gather(1, jump)
-    return first_of.gather(1, jump), rank, prev
-
+__all__ = ["tree_sample", "tree_sample_reference", "tree_sample_triton"]
 
 def tree_sample_reference(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
                           candidates: torch.Tensor, retrieve_index: torch.Tensor, next_token: torch.Tensor,
@@ -94,7 +68,7 @@ def tree_sample_reference(predicts: torch.Tensor, accept_index: torch.Tensor, ac
     ar = torch.arange(n, device=dev)
     rows = torch.arange(b, device=dev)
     tok = candidates.to(torch.int64).clamp(0, v - 1)
-    parent, rank, prev = _chains(next_token, next_sibling)
+    parent, rank, prev = chain_links(next_token, next_sibling)
     child = parent >= 0
     probs = target_probs.reshape(b, n, v)
     pfix = to_fixed(probs.reshape(b, n * v).gather(1, parent.clamp(min=0) * v + tok))
@@ -140,10 +114,6 @@ def tree_sample_reference(predicts: torch.Tensor, accept_index: torch.Tensor, ac
 
 
 if triton is not None:
-    @triton.jit
-    def _fixed(x):
-        return (x.to(tl.float64) * 4294967296.0).to(tl.int64)
-
     @triton.jit
     def _tree_sample_kernel(pred_ptr, acc_ptr, num_ptr, cand_ptr, ridx_ptr, nt_ptr, ns_ptr, coin_ptr, final_ptr,
                             prob_ptr, N, V, D, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graft_spec.pipeline import ancestor_mask, node_depths, sibling_links
+from graft_spec.pipeline import ancestor_mask, chain_links, node_depths, sibling_links
 
 from sglang_patch.tree_mask import FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING, write_tree_mask  # noqa: F401
 
@@ -106,21 +106,7 @@ def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> 
         ValueError: a non-root node is not reachable from the root through the links (SGLang's tree
             builders, and ours, never produce one; verifying such a node would be unsound).
     """
-    bs, n = next_token.shape
-    if n == 1:  # a root-only tree (a plain decode round): nothing to walk
-        return torch.full((bs, 1), -1, dtype=torch.int64, device=next_token.device)
-    parents = torch.full((bs, n + 1), -1, dtype=torch.int64, device=next_token.device)
-    owner = torch.arange(n, device=next_token.device, dtype=torch.int64).expand(bs, n)
-    # Walk every node's child chain (first child, then its siblings) in lockstep.
-    child = next_token.to(torch.int64)
-    for _ in range(n):
-        live = child >= 0
-        if not bool(live.any()):
-            break
-        parents.scatter_(1, torch.where(live, child, n), torch.where(live, owner, -1))
-        nxt = next_sibling.to(torch.int64).gather(1, child.clamp(min=0))
-        child = torch.where(live, nxt, torch.full_like(nxt, -1))
-    parents = parents[:, :n]
+    parents = chain_links(next_token, next_sibling)[0]
     if bool((parents[:, 1:] < 0).any()):
         raise ValueError("verify tree has nodes that are not reachable from the root")
     return parents
