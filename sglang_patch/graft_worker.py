@@ -43,11 +43,8 @@ With tensor parallelism every rank builds its own tree, then the first rank's is
 rank's too: ranks always verify the same tree and run the same number of draft forwards, whatever
 their host state (tests/test_sglang_tp.py perturbs one rank on purpose).
 
-SGLang globals rebound for the length of a call (``_rebound``): ``eagle_worker_v2.organize_draft_results``
-(:919), ``eagle_worker_v2.select_top_k_tokens`` (:812, eager with a gate), ``eagle_worker_v2
-.build_eagle_verify_input`` (:717), the draft runner's ``forward`` (eager counting / skipping), and
-in plain rounds the draft worker's ``_draft_extend_for_decode`` (:1110, deferred) and
-``eagle_worker_common._finalize_accept_tree_path`` (:492, an identity for a root-only tree).
+The SGLang names this worker rebinds for the length of a call are listed, with SGLang's lines, in
+`sglang_patch.rebinding`.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ import logging
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from sglang.srt.arg_groups.overrides import resolving_view
@@ -76,6 +73,7 @@ from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, 
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from graft_spec.pipeline import GraftStats, prometheus_enabled
 from sglang_patch.kv_reserve import kept_widths
+from sglang_patch.rebinding import rebound
 from sglang_patch.tree_sampling import graft_sampling
 from sglang_patch.verify_widths import WidthStates, agree_width, speculates
 
@@ -83,23 +81,6 @@ logger = logging.getLogger(__name__)
 
 #: Fault injection (tests): the TP rank whose own graft tree is scrambled (`GraftWorker.inject_fault`).
 FAULT_ENV = "GRAFT_FAULT_PERTURB_RANK"
-
-
-@contextlib.contextmanager
-def _rebound(owner, name: str, value) -> Iterator[None]:
-    """Temporarily replace ``owner.name``: a module global the EAGLE code looks up at call time,
-    or a method shadowed by an instance attribute (removed afterwards, so the class's method
-    is back rather than a stored bound copy)."""
-    had_own = name in vars(owner)
-    original = vars(owner).get(name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if had_own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
 
 
 class _DenseTreeSink:
@@ -185,7 +166,7 @@ class GraftDraftWorker(EagleDraftWorker):
         self._depth_limit, self._host, self._gate = None, None, None
         if not batch.forward_mode.is_idle() and self.cuda_graph_runner is None:  # eager drafting
             self._gate, self._host = self.graft.stop_gate(batch)
-        with _rebound(_ev2, "build_eagle_verify_input", self._build_verify_input):
+        with rebound(_ev2, "build_eagle_verify_input", self._build_verify_input):
             return super().draft(batch, with_topology=with_topology)
 
     def draft_forward(self, forward_batch):
@@ -204,16 +185,16 @@ class GraftDraftWorker(EagleDraftWorker):
         eager = self._eager()
         gate = self._gate if eager and not forward_batch.forward_mode.is_idle() else None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_rebound(_ev2, "organize_draft_results", organize_and_capture))
+            stack.enter_context(rebound(_ev2, "organize_draft_results", organize_and_capture))
             if gate is not None:
-                stack.enter_context(_rebound(_ev2, "select_top_k_tokens",
+                stack.enter_context(rebound(_ev2, "select_top_k_tokens",
                                              _gated_select(_ev2.select_top_k_tokens, gate,
                                                            forward_batch.batch_size)))
             if eager:
                 runner = self.draft_runner
                 vocab = (self.hot_token_id.numel() if self.hot_token_id is not None
                          else runner.model_config.vocab_size)
-                stack.enter_context(_rebound(runner, "forward", _counted_forward(
+                stack.enter_context(rebound(runner, "forward", _counted_forward(
                     runner.forward, gate, self.graft.stats, vocab)))
             result = super().draft_forward(forward_batch)
         self._depth_limit = gate.stop_depth if gate is not None else None
@@ -483,7 +464,7 @@ class GraftWorker(EAGLEWorkerV2):
             else:
                 self._launch = None  # a prefill in between: the next decode launch is not a round time
         defer = (contextlib.nullcontext() if not decode or self.deferred is None or self.speculative_num_steps
-                 else _rebound(self._draft_worker, "_draft_extend_for_decode", self._defer_draft_extend))
+                 else rebound(self._draft_worker, "_draft_extend_for_decode", self._defer_draft_extend))
         with defer:
             return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
                                                     pp_proxy_tensors=pp_proxy_tensors)
@@ -571,7 +552,7 @@ class GraftWorker(EAGLEWorkerV2):
         with contextlib.ExitStack() as stack:
             stack.enter_context(graft_sampling())
             if plain:
-                stack.enter_context(_rebound(_ewc, "_finalize_accept_tree_path", _path_already_in_front))
+                stack.enter_context(rebound(_ewc, "_finalize_accept_tree_path", _path_already_in_front))
             result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if (isinstance(verify_input, GraftVerifyInput) and verify_input.graft_out is not None
                 and not batch.forward_mode.is_idle()):

@@ -49,7 +49,9 @@ def estimate_width_bytes(width: int, *, backend: str, graphs: bool, graph_max_bs
     """Bytes one extra verify-width state is expected to hold, per rank (`sglang_patch.memory`'s
     `width_state_bytes`): the target attention backend's own workspace (FlashInfer:
     ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, default 384 MiB; 0 for other backends) and, with CUDA graphs,
-    the tree-mask and draft KV-index buffers sized for ``graph_max_bs`` requests of ``context`` tokens.
+    the target verify and draft extend backends' KV-index and tree-mask buffers sized for
+    ``graph_max_bs`` requests of ``width`` tokens over ``context`` positions (the draft decode backend
+    is the full width's, shared).
 
     Args:
         width: verify tokens per request of the state.

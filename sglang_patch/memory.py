@@ -14,12 +14,22 @@ Per extra verify width (a ``SpecRuntimeState`` built by ``EAGLEWorkerV2.build_ad
 SGLang 0.5.23 ``speculative/eagle_worker_v2.py:1777``; EAGLE-3 builds one state, at N):
 * the target attention backend's own workspace (``init_new_workspace=True``, :1797; FlashInfer's is
   ``SGLANG_FLASHINFER_WORKSPACE_SIZE`` = 384 MiB, ``environ.py:1221``; ``--attn-workspace-mib``);
-* the tree-mask buffer the verify graphs read: ``max_bs * w * context`` bytes (one uint8 per query
-  token and key position);
-* the draft backends' KV-index buffers, rebuilt for the width although every width >= 2 drafts the
-  same depth: ``depth * max_bs * topk * context * 4`` bytes;
+* with CUDA graphs, the graph buffers of the two attention backends sized by the width, the target's
+  verify backend and the draft extend's: FlashInfer's ``init_cuda_graph_state``
+  (``layers/attention/flashinfer_backend.py:1100-1138``) allocates KV indices ``int32`` and a tree
+  mask ``uint8`` of ``max_num_tokens * context`` each, ``max_num_tokens = max_bs * w``
+  (``decode_cuda_graph_runner.py:424``, ``eagle_draft_extend_cuda_graph_runner.py:151``):
+  ``2 * 5 * max_bs * w * context`` bytes;
+* no draft decode buffers: every width >= 2 drafts the full depth and shares the full width's draft
+  decode backend and graphs (`sglang_patch.verify_widths`), whose KV indices
+  (``depth * max_bs * topk * context`` ``int32``, ``flashinfer_backend.py:2630``) SGLang's builder
+  would allocate again per width (`draft_decode_bytes`, the table's ``draft_decode_shared``); width 1
+  does not draft;
 * no extra CUDA-graph pool: SGLang's graph runners share one memory pool, whose size is set by the
   widest state.
+
+The graph buffers are FlashInfer's; other backends (FA3's page tables, Triton's) hold less, so the
+estimate is an upper bound for them.
 
 Per round (transient, batch ``B``, ``T = B * w`` verify tokens):
 * greedy: target logits ``[T, V]`` float32 (the vocab-parallel head all-gathers the full vocabulary on
@@ -172,11 +182,16 @@ class Serving:
 
 
 def width_state_bytes(s: Serving, width: int) -> int:
-    """Bytes of one extra verify-width runtime state (see the module docstring); 0 for width 1's
-    draft side (no drafting) but its target backend and mask are still built."""
-    mask = s.max_running_requests * width * s.context
-    draft = 0 if width == 1 else s.depth * s.max_running_requests * s.topk * s.context * 4
-    return s.attn_workspace + mask + draft
+    """Bytes of one extra verify-width runtime state (module docstring): the target backend's
+    workspace plus, with CUDA graphs (``max_running_requests`` > 0), the target verify and draft
+    extend backends' graph buffers, ``2 * 5 * max_bs * width * context``."""
+    return s.attn_workspace + 2 * 5 * s.max_running_requests * width * s.context
+
+
+def draft_decode_bytes(s: Serving) -> int:
+    """Bytes of the draft decode backend's graph KV indices, ``depth * max_bs * topk * context`` ``int32``:
+    held once by the full-width state and shared by every width >= 2 (what a per-width copy would add)."""
+    return s.depth * s.max_running_requests * s.topk * s.context * 4
 
 
 def round_bytes(m: ModelShape, s: Serving, width: int, sampled: bool, zero_draft_probs: bool) -> int:
@@ -213,6 +228,7 @@ def table(m: ModelShape, d: Optional[DraftShape], s: Serving) -> Dict:
         rows.append({
             "width": w,
             "state_graft": 0 if w == n else width_state_bytes(s, w),
+            "draft_decode_shared": draft_decode_bytes(s) if 1 < w < n else 0,
             "round_greedy_eagle3": round_bytes(m, s, w, sampled=False, zero_draft_probs=True),
             "round_greedy_graft": round_bytes(m, s, w, sampled=False, zero_draft_probs=False),
             "round_sampled_eagle3": round_bytes(m, s, w, sampled=True, zero_draft_probs=True),
@@ -226,6 +242,7 @@ def table(m: ModelShape, d: Optional[DraftShape], s: Serving) -> Dict:
         "weights_target": m.weight_bytes(s.tp), "weights_draft": d.weight_bytes(m.hidden) if d else 0,
         "kv_per_token": m.kv_bytes_per_token(s.tp) + (d.kv_bytes_per_token() if d else 0),
         "graft_persistent": persistent, "graft_width_states": extra_states,
+        "graft_draft_decode_shared": sum(r["draft_decode_shared"] for r in rows),
         "graft_beyond_eagle3": extra_states + sum(persistent.values()),
         "widths": rows,
     }
@@ -244,14 +261,17 @@ def render(name: str, t: Dict) -> str:
              f"KV (target + head) {t['kv_per_token'] / 1024:.1f} KiB per token per rank",
              f"graft beyond EAGLE-3, held for the server's life: {_fmt(t['graft_beyond_eagle3'])} "
              f"(extra width states {_fmt(t['graft_width_states'])}; "
-             + ", ".join(f"{k} {_fmt(v)}" for k, v in t["graft_persistent"].items()) + ")",
+             + ", ".join(f"{k} {_fmt(v)}" for k, v in t["graft_persistent"].items()) + "); "
+             f"not held: {_fmt(t['graft_draft_decode_shared'])} of draft decode buffers a state per width would "
+             "add (widths >= 2 share the full width's)",
              "",
-             "| width w | graft state (extra) | round greedy (EAGLE-3 = graft) | round sampled EAGLE-3 "
-             "| round sampled graft (no zero draft probs) |",
-             "|---:|---:|---:|---:|---:|"]
+             "| width w | graft state (extra) | draft decode (shared, not held) | round greedy (EAGLE-3 = graft) "
+             "| round sampled EAGLE-3 | round sampled graft (no zero draft probs) |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for r in t["widths"]:
-        lines.append(f"| {r['width']} | {_fmt(r['state_graft'])} | {_fmt(r['round_greedy_graft'])} | "
-                     f"{_fmt(r['round_sampled_eagle3'])} | {_fmt(r['round_sampled_graft'])} |")
+        lines.append(f"| {r['width']} | {_fmt(r['state_graft'])} | {_fmt(r['draft_decode_shared'])} | "
+                     f"{_fmt(r['round_greedy_graft'])} | {_fmt(r['round_sampled_eagle3'])} | "
+                     f"{_fmt(r['round_sampled_graft'])} |")
     return "\n".join(lines)
 
 

@@ -145,15 +145,18 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
 def memory_beyond_eagle3(worker) -> Dict[str, int]:
     """Bytes a graft worker holds that an EAGLE-3 worker of the same tree shape does not: the extra
     verify-width runtime states (``WidthStates.bytes_by_width``, tensors not shared with the full-width
-    state), the planner's state (successor table, token history, output index, suffix / corpus
+    state; ``widths_sharing_draft_decode``: the widths whose state holds the full width's draft decode
+    backend and graphs), the planner's state (successor table, token history, output index, suffix / corpus
     indexes: ``GraftPlanner.memory_bytes``) and the deferred draft extend's buffers; ``total`` sums them.
     ``kv_reserve``: what was taken off the KV cache for the widths before it was sized
     (`sglang_patch.kv_reserve.summary`: profiled_bytes, reserve_bytes, by_width, kv_bytes, widths,
     dropped, source, built_bytes), None when nothing was reserved."""
-    ws = getattr(getattr(worker, "width_states", None), "bytes_by_width", {}) or {}
+    states = getattr(worker, "width_states", None)
+    ws = getattr(states, "bytes_by_width", {}) or {}
     deferred = getattr(worker, "deferred", None)
     out = {"width_states": int(sum(ws.values())),
            "width_states_by_width": {int(k): int(v) for k, v in ws.items()},
+           "widths_sharing_draft_decode": sorted(getattr(states, "shared_draft_decode", []) or []),
            "planner": int(worker.planner.memory_bytes()),
            "deferred_draft_extend": int(deferred.memory_bytes()) if deferred is not None else 0}
     out["total"] = out["width_states"] + out["planner"] + out["deferred_draft_extend"]

@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 
 from graft_spec.kernels.tree_sample import tree_sample
+from sglang_patch.rebinding import rebound
 
 EAGLE_UTILS = "sglang.srt.speculative.eagle_utils"
 
@@ -87,11 +88,6 @@ def graft_sampling() -> Iterator[None]:
     """For the duration of a graft verify: ``eagle_utils``' tree sampling function and its
     ``torch.zeros_like`` as in the module docstring; both restored afterwards (also on error)."""
     module = sys.modules[EAGLE_UTILS]
-    saved = {name: vars(module)[name] for name in ("tree_speculative_sampling_target_only", "torch")}
-    module.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only
-    module.torch = TORCH_WITH_ZERO_VIEWS
-    try:
+    with rebound(module, "tree_speculative_sampling_target_only", tree_speculative_sampling_target_only), \
+            rebound(module, "torch", TORCH_WITH_ZERO_VIEWS):
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)

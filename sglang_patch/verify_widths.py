@@ -6,7 +6,14 @@ graphs captured for ``w`` verify tokens per request. They are built once at star
 own capture (``EAGLEWorkerV2.build_adaptive_runtime_state``, ``eagle_worker_v2.py:1777``), and a
 round switches between them before it starts (``apply_runtime_state``, :1862). Width 1 is SGLang's
 own ``steps = 0`` state: no drafting, the root alone is verified (a plain decode step, whose draft
-extend still runs so the draft KV stays warm); every other width drafts the full depth. The KV the
+extend still runs so the draft KV stays warm); every other width drafts the full depth.
+
+One state per distinct shape: the draft decode backend and its CUDA graphs depend on the draft depth
+and top-k only (``DraftBackendFactory(draft_runner, topk, speculative_num_steps)``, :396; the graph
+runner's buffers are ``max_bs * topk`` tokens, ``eagle_draft_cuda_graph_runner.py:164``), which every
+width >= 2 shares with the full width N, so those widths' states hold the full-width state's draft
+decode backend and graphs (`_sharing_draft_decode`; SGLang's builder would build both again). The
+target's backend and verify graphs, and the draft extend's, are sized by the width and stay per state. The KV the
 scheduler reserves per round is sized for the widest state (``max_speculative_num_draft_tokens``,
 ``runtime_context.py:1982``), as for SGLang's own adaptive steps.
 
@@ -25,14 +32,16 @@ host collective per round, no device sync), so every rank runs the same shapes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Dict, Sequence
+from typing import Dict, Iterator, Sequence
 
 import torch
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
 from sglang_patch.kv_reserve import check_built
+from sglang_patch.rebinding import rebound
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +118,8 @@ class WidthStates:
         #: width -> bytes its state holds beyond the full-width state's (tensors not shared with it;
         #: on CUDA the larger of that and the device memory the build took)
         self.bytes_by_width: Dict[int, int] = {}
+        #: widths whose state holds the full-width state's draft decode backend and graphs
+        self.shared_draft_decode: list = []
 
     def build(self, widths: Sequence[int]) -> None:
         """Register the current (full-width) state and build one for every other width (startup)."""
@@ -133,9 +144,15 @@ class WidthStates:
                 if width in self.states:
                     continue
                 steps = 0 if width == 1 else w.speculative_num_steps
+                share = steps == full.speculative_num_steps and not _ev2._is_musa
                 before = _device_bytes(w.device)
-                self.states[width] = w.build_adaptive_runtime_state(
-                    speculative_num_steps=steps, speculative_num_draft_tokens=width, cuda_graph_bs=cuda_graph_bs)
+                with _sharing_draft_decode(dw, full) if share else contextlib.nullcontext():
+                    state = w.build_adaptive_runtime_state(
+                        speculative_num_steps=steps, speculative_num_draft_tokens=width, cuda_graph_bs=cuda_graph_bs)
+                self.states[width] = state
+                if (share and state.draft_attn_backend is full.draft_attn_backend
+                        and state.cuda_graph_runner is full.cuda_graph_runner):
+                    self.shared_draft_decode.append(width)
                 try:  # accounting only: a failure here must not stop the server
                     seen: set = set()
                     tensor_bytes(_state_parts(full), seen)      # what the full-width state already holds
@@ -149,8 +166,9 @@ class WidthStates:
             _ev2.logger.addFilter(QuietSwitches())
             _ev2.logger._graft_quiet_switches = True
         logger.info("graft batch budget: verify widths %s (runtime states built; %d bytes beyond the "
-                    "full-width state: %s)", sorted(self.states), sum(self.bytes_by_width.values()),
-                    self.bytes_by_width)
+                    "full-width state: %s; widths %s on the full width's draft decode backend and graphs)",
+                    sorted(self.states), sum(self.bytes_by_width.values()), self.bytes_by_width,
+                    self.shared_draft_decode)
 
     def activate(self, width: int) -> None:
         """Switch the worker to ``width`` (no-op when it is current).
@@ -168,6 +186,32 @@ class WidthStates:
             # (eagle_worker_v2.py:1864); widths >= 2 share the draft depth.
             w.speculative_num_steps = -1
         w.apply_runtime_state(state)
+
+
+@contextlib.contextmanager
+def _sharing_draft_decode(draft_worker, full: SpecRuntimeState) -> Iterator[None]:
+    """While SGLang builds a width's state (``build_adaptive_runtime_state``, eagle_worker_v2.py:1792-1793)
+    for a width that drafts the full depth: the draft worker's ``init_attention_backend`` builds the
+    draft extend backend and puts the full-width draft decode backend back, and the draft decode graph
+    runner "class" (``EAGLEDraftCudaGraphRunner`` / ``EAGLEDraftNpuGraphRunner``, looked up at :488-491)
+    returns the full-width runner instead of capturing new graphs. Not used on MUSA, whose draft extend
+    runner is looked up under the same name (:543). A platform plugin's own runner classes are not
+    rebound (such a state gets its own graphs, as in SGLang)."""
+    init = draft_worker.init_attention_backend
+
+    def init_keeping_draft_decode():
+        init()
+        draft_worker.draft_attn_backend = full.draft_attn_backend
+        draft_worker.draft_runner.draft_attn_backend = full.draft_attn_backend
+
+    def full_width_runner(_worker):
+        return full.cuda_graph_runner
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rebound(draft_worker, "init_attention_backend", init_keeping_draft_decode))
+        for name in ("EAGLEDraftCudaGraphRunner", "EAGLEDraftNpuGraphRunner"):
+            stack.enter_context(rebound(_ev2, name, full_width_runner))
+        yield
 
 
 def _state_parts(state: SpecRuntimeState) -> list:

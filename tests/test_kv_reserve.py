@@ -34,9 +34,12 @@ def test_estimate_counts_the_flashinfer_workspace_and_graph_buffers():
     shape = dict(graph_max_bs=8, context=4096, topk=4, depth=5)
     assert kv_reserve.estimate_width_bytes(12, backend="torch_native", graphs=False, **shape) == 0
     assert kv_reserve.estimate_width_bytes(12, backend="flashinfer", graphs=False, **shape) == FLASHINFER_WORKSPACE_BYTES
-    mask, draft = 8 * 12 * 4096, 5 * 8 * 4 * 4096 * 4
-    assert kv_reserve.estimate_width_bytes(12, backend="fa3", graphs=True, **shape) == mask + draft
-    assert kv_reserve.estimate_width_bytes(1, backend="fa3", graphs=True, **shape) == 8 * 1 * 4096  # no drafting
+    # target verify + draft extend: int32 KV indices and a uint8 tree mask per (token, context position);
+    # no draft decode buffers (the full width's are shared), so depth and top-k do not enter
+    graphs = 2 * (4 + 1) * 8 * 12 * 4096
+    assert kv_reserve.estimate_width_bytes(12, backend="fa3", graphs=True, **shape) == graphs
+    assert kv_reserve.estimate_width_bytes(12, backend="fa3", graphs=True, **{**shape, "depth": 9, "topk": 8}) == graphs
+    assert kv_reserve.estimate_width_bytes(1, backend="fa3", graphs=True, **shape) == 2 * 5 * 8 * 1 * 4096
 
 
 def test_hook_passes_other_servers_through():

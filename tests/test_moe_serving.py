@@ -95,6 +95,7 @@ def test_moe_tp2_graft_equals_single_rank_no_spec(moe_models, reference):
     print(f"\nMoE graft TP2 memory beyond EAGLE-3 (bytes): {mem}")
     assert sorted(mem["width_states_by_width"]) == ["1", "12"] or sorted(mem["width_states_by_width"]) == [1, 12]
     assert mem["planner"] > 0 and mem["total"] >= mem["planner"]
+    assert mem["widths_sharing_draft_decode"] == [12]   # one draft decode state for widths 12 and 24
     built, ready = log.find("runtime states built"), log.find("The server is fired up")
     assert 0 <= built < ready, "the width states must be built before the server says it is ready"
     assert "Built adaptive runtime state" not in log[ready:], "a width state was built after ready"

@@ -175,6 +175,9 @@ def test_memory_table_from_the_shipped_shapes():
         rows = {r["width"]: r for r in t["widths"]}
         assert sorted(rows) == [1, 30, 60]
         assert rows[60]["state_graft"] == 0 and rows[30]["state_graft"] > memory.FLASHINFER_WORKSPACE_BYTES
+        # width 30 drafts the full depth: it shares N's draft decode buffers (depth 7 x 64 x top-10 x 40960 int32)
+        assert rows[30]["draft_decode_shared"] == 7 * 64 * 10 * 40960 * 4
+        assert rows[1]["draft_decode_shared"] == rows[60]["draft_decode_shared"] == 0
         for w, r in rows.items():
             probs = 64 * w * m.vocab * 4
             assert r["round_sampled_eagle3"] - r["round_sampled_graft"] == probs

@@ -409,6 +409,8 @@ class TestBatchBudget:
         state = httpx.get(f"{budget.url}/server_info", timeout=60).json()["internal_states"][0]["graft"]
         r = state["worker"]["memory_beyond_eagle3"]["kv_reserve"]
         print("\nSGLANG-GRAFT-KV-RESERVE", json.dumps(r), "capacity", state["kv"]["capacity"])
+        # widths 12 and 24 draft the same depth: one draft decode backend (and graph set) for both
+        assert state["worker"]["memory_beyond_eagle3"]["widths_sharing_draft_decode"] == [12]
         mib = 1 << 20
         assert r["source"] == "batch_budget.width_reserve_mib" and r["widths"] == [1, 12, 24] and not r["dropped"]
         assert r["by_width"] == {"1": RESERVE_MIB * mib, "12": RESERVE_MIB * mib}
