@@ -6,7 +6,8 @@ docs/benchmark.md). SGLang captures its own draft forwards and tree build the sa
 (``cuda_graph_runner``, ``eagle_draft_cuda_graph_runner.py``).
 
 `StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
-round copies its inputs into the first ``B`` rows of the smallest bucket that holds the batch
+round copies its inputs (the draft as SGLang's dense tree, `DenseDraft`, whose conversion to
+candidates is part of the graph) into the first ``B`` rows of the smallest bucket that holds the batch
 (padding rows keep earlier valid values, their trees are dropped), replays, and clones the first
 ``B`` rows of the outputs (graphs share one memory pool, so a later replay may reuse an earlier
 one's output memory). The planner's tables (calibration counts, successor table, token history,
@@ -14,8 +15,8 @@ per-request correction windows) are read inside the graph at their fixed address
 in place by `GraftPlanner.observe` and must not be reallocated after `capture` (size the per-slot
 state first, `GraftPlanner.ensure_slots`).
 
-Batches larger than the largest bucket, devices other than CUDA and widths not captured run the
-eager `GraftPlanner.build`: same function, same result.
+Batches larger than the largest bucket, devices other than CUDA, widths not captured and drafts
+given as `DraftCandidates` run the eager `GraftPlanner.build`: same function, same result.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 import torch
 
 from .retrieval.buffer import HostCandidates
-from .step import DraftCandidates, StepOutput
+from .step import DenseDraft, DraftCandidates, StepOutput
 from .tree import DraftTree
 
 if TYPE_CHECKING:  # pipeline.py imports this module
@@ -39,18 +40,18 @@ __all__ = ["StepGraphs"]
 class _Static:
     """The captured inputs of one batch bucket (``[bucket, ...]``)."""
 
-    draft: DraftCandidates
+    draft: DenseDraft
     roots: torch.Tensor
     host: HostCandidates
     slots: torch.Tensor
     seq_lens: torch.Tensor
     sampled: torch.Tensor
 
-    def load(self, draft: DraftCandidates, roots, host: HostCandidates, slots, seq_lens, sampled) -> None:
+    def load(self, draft: DenseDraft, roots, host: HostCandidates, slots, seq_lens, sampled) -> None:
         """Copy a batch of ``B <= bucket`` rows into the first ``B`` rows (device copies only)."""
         b = roots.shape[0]
-        for f in fields(DraftCandidates):
-            getattr(self.draft, f.name)[:b].copy_(getattr(draft, f.name))
+        for name in ("scores", "tokens", "parent_list"):
+            getattr(self.draft, name)[:b].copy_(getattr(draft, name))
         for f in fields(HostCandidates):
             getattr(self.host, f.name)[:b].copy_(getattr(host, f.name))
         self.roots[:b].copy_(roots)
@@ -74,7 +75,7 @@ class StepGraphs:
 
     Args:
         planner: the planner whose step is captured (its device must be CUDA for `capture`).
-        draft_width: S, draft candidates per row (SGLang's dense tree: topk + (steps - 1) * topk**2).
+        topk, steps: the draft's dense tree (`DenseDraft`: S = topk + (steps - 1) * topk**2 candidates).
         buckets: batch sizes to capture, e.g. SGLang's ``cuda_graph_bs``; a batch is padded up to the
             smallest bucket that holds it.
         widths: verify widths to capture (>= 2; default the planner's, see `GraftConfig.verify_widths`).
@@ -82,10 +83,11 @@ class StepGraphs:
         ValueError: no bucket, a bucket < 1, or a width outside 2..N.
     """
 
-    def __init__(self, planner: GraftPlanner, draft_width: int, buckets: Sequence[int],
+    def __init__(self, planner: GraftPlanner, topk: int, steps: int, buckets: Sequence[int],
                  widths: Optional[Sequence[int]] = None):
         n = planner.config.num_draft_tokens
-        self.planner, self.draft_width = planner, int(draft_width)
+        self.planner, self.topk, self.steps = planner, int(topk), int(steps)
+        self.draft_width = self.topk + (self.steps - 1) * self.topk ** 2
         self.buckets = tuple(sorted({int(x) for x in buckets}))
         self.widths = tuple(sorted({int(w) for w in (widths or planner.config.verify_widths) if w >= 2}))
         if not self.buckets or self.buckets[0] < 1:
@@ -106,8 +108,9 @@ class StepGraphs:
         dev, s = self.planner.device, self.draft_width
         m = self.planner.buffer.width
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        draft = DraftCandidates(z(bucket, s), z(bucket, s) - 1, torch.full((bucket, s), -float("inf"), device=dev),
-                                z(bucket, s) + 1)
+        draft = DenseDraft(torch.zeros(bucket, s, device=dev), z(bucket, s),
+                           z(bucket, (self.steps - 1) * self.topk + 1 if self.steps > 1 else 0) - 1,
+                           self.topk, self.steps)
         host = HostCandidates(z(bucket, m), z(bucket, m) - 1, torch.full((bucket, m), -float("inf"), device=dev),
                               z(bucket, m) - 1, z(bucket, m) + 1, z(bucket), z(bucket),
                               torch.zeros(bucket, dtype=torch.bool, device=dev))      # every buffer its own
@@ -140,15 +143,16 @@ class StepGraphs:
                     out = self._call(st, width)
                 self._graphs[(bucket, width)] = (graph, out)
 
-    def build(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
-              seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None) -> StepOutput:
+    def build(self, draft: "DenseDraft | DraftCandidates", roots: torch.Tensor, host: HostCandidates,
+              slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None) -> StepOutput:
         """`GraftPlanner.build` with the same arguments, replayed from a graph when one was captured
         for the batch's bucket and the width (else eager). Returns `StepOutput` ``[B, num_nodes]``."""
         width = num_nodes or self.planner.config.num_draft_tokens
         b = roots.shape[0]
         bucket = next((x for x in self.buckets if x >= b), None)
         entry = self._graphs.get((bucket, width)) if bucket is not None else None
-        if entry is None or draft.tokens.shape[1] != self.draft_width:
+        if (entry is None or not isinstance(draft, DenseDraft) or draft.tokens.shape[1] != self.draft_width
+                or (draft.topk, draft.steps) != (self.topk, self.steps)):
             self.eager += 1
             return self.planner.build(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes=num_nodes)
         graph, out = entry

@@ -48,7 +48,7 @@ from .history import TokenHistory
 from .kernels import fused_kernels_for, fused_ops_everywhere
 from .kernels.observe import gain_columns, observe_rows
 from .request_correction import RequestCorrection
-from .step import DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
+from .step import DenseDraft, DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
 from .stats import GraftStats, prometheus_enabled
 from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, SOURCE_LETTERS, SOURCE_NAMES,
                       SOURCE_PADDING)
@@ -64,7 +64,7 @@ __all__ = [
     # the planner and what a round returns
     "GraftPlanner", "RoundRetrieval", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens",
     # data crossing the door
-    "DraftCandidates", "HostCandidates", "StepOutput", "DraftTree", "dense_draft_candidates",
+    "DraftCandidates", "DenseDraft", "HostCandidates", "StepOutput", "DraftTree", "dense_draft_candidates",
     "tree_draft_candidates",
     # host-side controllers an adapter drives
     "BatchBudget", "DraftStopGate", "StepGraphs",
@@ -362,13 +362,14 @@ class GraftPlanner:
                                 True if speculate is None else bool(speculate[row]))
         return self.buffer.upload(b)
 
-    def build(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
-              seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None,
+    def build(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, host: HostCandidates,
+              slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None,
               retrieved: Optional[RoundRetrieval] = None) -> StepOutput:
         """The graft step (device, static shapes, no host read).
 
         Args:
-            draft: `DraftCandidates` ``[B, S]``.
+            draft: `DraftCandidates` ``[B, S]``, or the dense EAGLE tree as a `DenseDraft` (converted
+                inside the step).
             roots: ``int64[B]``; slot_ids: ``int64[B]`` engine slots (token history rows);
             seq_lens: ``int64[B]`` committed tokens before the root; sampled: ``bool[B]``.
             host: `host_candidates` of the same rows.

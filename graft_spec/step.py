@@ -51,7 +51,7 @@ from .retrieval.successor import SuccessorTable
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
-__all__ = ["DraftCandidates", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
+__all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
 
 
@@ -87,19 +87,47 @@ def dense_draft_candidates(scores: torch.Tensor, tokens: torch.Tensor, parent_li
         topk, steps: the draft shape.
     Returns:
         `DraftCandidates` ``[B, S]``.
+    Raises:
+        ValueError: ``parent_list`` narrower than the layout needs (``(S - 1) // topk + 1`` columns).
     """
     b, s = scores.shape
-    dev = scores.device
-    g = torch.arange(s, device=dev)
-    tb = g // topk
+    if 0 < parent_list.shape[1] < (s - 1) // topk + 1:
+        raise ValueError(f"dense_draft_candidates: parent_list has {parent_list.shape[1]} columns, the layout of "
+                         f"S={s}, topk={topk} needs {(s - 1) // topk + 1}")
+    g = torch.arange(s, device=scores.device)
     if parent_list.shape[1] > 0:
-        gp = parent_list.to(torch.int64).gather(1, tb.clamp(max=parent_list.shape[1] - 1).expand(b, s))
+        parents = parent_list.to(torch.int64).gather(1, (g // topk).expand(b, s))   # tb = g // topk < width
+        parents[:, :topk].fill_(-1)                                                  # tb == 0: the root's
     else:
-        gp = torch.full((b, s), -1, dtype=torch.int64, device=dev)
-    parents = torch.where(tb == 0, -1, gp)
-    depth = torch.where(g < topk, 1, 2 + (g - topk) // (topk * topk)).expand(b, s)
+        parents = torch.full((b, s), -1, dtype=torch.int64, device=scores.device)
+    # depth 1 for g < topk, else 2 + (g - topk) // topk**2, in one division
+    depth = ((g + (2 * topk * topk - topk)) // (topk * topk)).expand(b, s)
     logq = torch.nan_to_num(torch.log(scores.float().clamp(min=0)), nan=-math.inf)
     return DraftCandidates(tokens.to(torch.int64), parents, logq, depth)
+
+
+@dataclass
+class DenseDraft:
+    """The draft's dense EAGLE tree as SGLang's draft loop leaves it (the layout of
+    `dense_draft_candidates`), handed to the step unconverted: `GraftStep` converts it first thing,
+    so a captured step (graphs.py) reads these buffers itself and the conversion replays with it.
+
+    Attributes:
+        scores: ``float32[B, S]`` cumulative draft probabilities, S = topk + (steps - 1) * topk**2.
+        tokens: ``int64[B, S]``.
+        parent_list: ``int64[B, 1 + topk * (steps - 1)]`` (0 columns when steps = 1).
+        topk, steps: the draft shape (Python ints: static).
+    """
+
+    scores: torch.Tensor
+    tokens: torch.Tensor
+    parent_list: torch.Tensor
+    topk: int
+    steps: int
+
+    def candidates(self) -> DraftCandidates:
+        """`dense_draft_candidates` of these buffers."""
+        return dense_draft_candidates(self.scores, self.tokens, self.parent_list, self.topk, self.steps)
 
 
 def tree_draft_candidates(tree: DraftTree) -> DraftCandidates:
@@ -322,14 +350,14 @@ class GraftStep:
         return floor
 
     # ------------------------------------------------------------------ the step
-    def __call__(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
+    def __call__(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, host: HostCandidates,
                  hist: torch.Tensor, count: torch.Tensor, seq_lens: torch.Tensor,
                  sampled: torch.Tensor, est_table: torch.Tensor, factors=None,
                  retrieved: Optional[list] = None) -> StepOutput:
         """Build one round's hybrid tree and its verify layout.
 
         Args:
-            draft: `DraftCandidates` ``[B, S]``.
+            draft: `DraftCandidates` ``[B, S]``, or a `DenseDraft` (converted here).
             roots: ``int64[B]`` root tokens (the previous round's bonus tokens).
             host: `HostCandidates` ``[B, M]`` (M may be 0; its ``group`` picks each row's
                 successor-table isolation group; rows whose ``speculate`` is False get a tree of
@@ -347,6 +375,8 @@ class GraftStep:
             `StepOutput` of width ``num_nodes`` (default ``config.num_draft_tokens``), with the gain
             curve over the full pool.
         """
+        if isinstance(draft, DenseDraft):
+            draft = draft.candidates()
         if retrieved is None:
             retrieved = self.retrieve(roots, host, hist, count, seq_lens, sampled, est_table, factors)
         cands = Candidates.stack(self._draft_part(draft, roots, sampled, est_table), retrieved,

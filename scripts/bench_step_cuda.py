@@ -17,7 +17,8 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
 * ``host_side``: the host work that runs off the critical path (suffix proposals + buffer fill for
   the batch, CPU wall time), overlapped with drafting on a GPU.
 
-Rows also carry the kernels one build replay and one observe launch (from the profiler), and whether
+Rows also carry the kernels one build replay, one whole replayed build (with its input copies and
+output clones) and one observe launch (from the profiler), and whether
 the last replayed tree equals an eager build of the same inputs (the replays run back to back, with
 no eager build between them, as in the server). ``--forward`` adds, in the same run, the verify
 forward of a Qwen3-8B-shaped target (``configs/shapes/qwen3-8b.json``: transformers' Qwen3, random
@@ -43,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from graft_spec.graphs import StepGraphs  # noqa: E402
 from graft_spec.pipeline import on_path_from_accept_index  # noqa: E402
-from graft_spec.step import dense_draft_candidates  # noqa: E402
+from graft_spec.step import DenseDraft  # noqa: E402
 from sglang_patch.bench.step import dense_lists, workload  # noqa: E402  (no engine import)
 
 
@@ -128,9 +129,12 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
                 "topk_ids": torch.randint(0, vocab, (b, n, planner.successor.k), generator=gen).to(dev),
                 "committed": torch.randint(0, vocab, (b, n), generator=gen).to(dev)}, host_s
 
+    def dense(x):
+        """The draft as the server hands it over: SGLang's dense tree, converted inside the step."""
+        return DenseDraft(x["scores"], x["tokens"], x["plist"], topk, depth)
+
     def build(x, sampled):
-        return planner.build(dense_draft_candidates(x["scores"], x["tokens"], x["plist"], topk, depth), x["roots"],
-                             x["host"], slots, x["seq"], sampled)
+        return planner.build(dense(x), x["roots"], x["host"], slots, x["seq"], sampled)
 
     def observe(out, x):
         """A verify outcome: the root's first child chain up to x["accept"] nodes, then bookkeeping."""
@@ -170,7 +174,7 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
         return row
 
     # ---- graphs: the product's StepGraphs (graft_spec/graphs.py) replays build; observe stays eager
-    graphs = StepGraphs(planner, topk + (depth - 1) * topk * topk, buckets=[b])
+    graphs = StepGraphs(planner, topk, depth, buckets=[b])
     try:
         graphs.capture()
     except Exception as exc:  # report, do not hide: capture failing means a host read or copy
@@ -180,8 +184,7 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     for it in range(rounds + 3):
         x, _ = inputs()
         sampled = torch.zeros(b, dtype=torch.bool, device=dev)
-        args = (dense_draft_candidates(x["scores"], x["tokens"], x["plist"], topk, depth), x["roots"], x["host"],
-                slots, x["seq"], sampled)
+        args = (dense(x), x["roots"], x["host"], slots, x["seq"], sampled)
         sync()
         t0 = time.perf_counter()
         out = graphs.build(*args)                  # no eager build between replays: the server's path
@@ -199,10 +202,12 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     graph, _ = graphs._graphs[(b, n)]
     kernels = _kernels(lambda: graph.replay(), sync)
     x, _ = inputs()
-    out = graphs.build(dense_draft_candidates(x["scores"], x["tokens"], x["plist"], topk, depth), x["roots"],
-                       x["host"], slots, x["seq"], torch.zeros(b, dtype=torch.bool, device=dev))
+    args = (dense(x), x["roots"], x["host"], slots, x["seq"], torch.zeros(b, dtype=torch.bool, device=dev))
+    build_kernels = _kernels(lambda: graphs.build(*args), sync)   # input copies + replay + output clones
+    out = graphs.build(*args)
     observe_kernels = _kernels(lambda: observe(out, x), sync)
     row.update(graphs_ms_per_round=_median_ms(graph_t), graph_kernels_per_replay=kernels,
+               build_kernels_per_round=build_kernels,
                observe_kernels_per_round=observe_kernels,
                graph_trees_equal_eager=all(equal), replays=graphs.replays,
                eager_over_graphs=round(statistics.median(eager_t) / max(statistics.median(graph_t), 1e-9), 2))

@@ -65,8 +65,8 @@ from sglang.srt.speculative import eagle_worker_common as _ewc
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
-from graft_spec.pipeline import (BatchBudget, DraftStopGate, GraftPlanner, HostCandidates, RoundStats, StepGraphs,
-                                 StepOutput, dense_draft_candidates, on_path_from_accept_index)
+from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, HostCandidates, RoundStats,
+                                 StepGraphs, StepOutput, on_path_from_accept_index)
 from sglang_patch.args import effective_graft_config
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
@@ -217,7 +217,7 @@ class GraftDraftWorker(EagleDraftWorker):
         if self._depth_limit is not None:  # nodes deeper than the stop depth were never drafted
             s_keep = topk + (self._depth_limit - 1) * topk * topk
             scores = torch.cat([scores[:, :s_keep], torch.zeros_like(scores[:, s_keep:])], dim=1)
-        draft = dense_draft_candidates(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)
+        draft = DenseDraft(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)   # converted in the step
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         self.graft._slots()
         retrieved = self._gate.retrieved if gated else None   # priced by the gate before drafting
@@ -381,8 +381,7 @@ class GraftWorker(EAGLEWorkerV2):
             logger.warning("%s=%s: TP rank %s scrambles its own host proposals and draft scores "
                            "(fault injection for tests)", FAULT_ENV, rank, rank)
         host = dataclasses.replace(host, tokens=host.tokens.flip(1))
-        draft.logq = draft.logq.flip(1)
-        return host, draft
+        return host, dataclasses.replace(draft, scores=draft.scores.flip(1))
 
     def _slots(self) -> None:
         """Size the per-slot state (token history, per-request correction) to the request pool (its
@@ -448,7 +447,7 @@ class GraftWorker(EAGLEWorkerV2):
         if _ev2.check_cuda_graph_backend(_ev2.Phase.DECODE, _ev2.Backend.DISABLED):
             return None
         self._slots()  # the token history is read inside the graphs: size it before capture
-        graphs = StepGraphs(self.planner, self.topk + (self.speculative_num_steps - 1) * self.topk ** 2,
+        graphs = StepGraphs(self.planner, self.topk, self.speculative_num_steps,
                             _ev2.get_exec().graph.cuda_graph_bs_decode, self.widths)
         graphs.capture()
         logger.info("graft step graphs: %d captured (batch sizes %s, widths %s)", graphs.captured,

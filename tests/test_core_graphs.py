@@ -18,13 +18,12 @@ from graft_spec.config import GraftConfig
 from graft_spec.graphs import StepGraphs
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.retrieval.buffer import HostCandidates
-from graft_spec.step import DraftCandidates, StepOutput
+from graft_spec.step import DenseDraft, StepOutput
 from graft_spec.tree import DraftTree
 
 from test_core_step import dense_inputs
 
 TOPK, STEPS, VOCAB = 4, 4, 5000
-S = TOPK + (STEPS - 1) * TOPK * TOPK
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
@@ -37,9 +36,9 @@ def _planner(device: str) -> GraftPlanner:
 
 def _inputs(b: int, seed: int, device: str, width: int):
     draft, roots, host, slots, seq_lens, sampled = dense_inputs(b, TOPK, STEPS, VOCAB, width, "cpu",
-                                                                torch.Generator().manual_seed(seed))
+                                                                torch.Generator().manual_seed(seed), unconverted=True)
     mv = lambda t: t.to(device)  # noqa: E731
-    draft = DraftCandidates(*(mv(getattr(draft, f)) for f in ("tokens", "parents", "logq", "depth")))
+    draft = DenseDraft(mv(draft.scores), mv(draft.tokens), mv(draft.parent_list), TOPK, STEPS)
     host = HostCandidates(*(mv(getattr(host, f)) for f in ("tokens", "parents", "logp", "member", "match",
                                                            "anchor_len", "group", "speculate")))
     return draft, mv(roots), host, mv(slots.flip(0)), mv(seq_lens), mv(sampled)
@@ -54,20 +53,20 @@ def _same(a, b) -> bool:
 
 def test_eager_fallback_without_a_capture():
     planner = _planner("cpu")
-    graphs = StepGraphs(planner, S, buckets=[4, 16])
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4, 16])
     args = _inputs(3, 0, "cpu", planner.buffer.width)
     assert _same(graphs.build(*args, num_nodes=12), planner.build(*args, num_nodes=12))
     assert graphs.eager == 1 and graphs.replays == 0
     with pytest.raises(RuntimeError, match="CUDA"):
         graphs.capture()
     with pytest.raises(ValueError, match="widths"):
-        StepGraphs(planner, S, buckets=[4], widths=[1, 25])
+        StepGraphs(planner, TOPK, STEPS, buckets=[4], widths=[1, 25])
 
 
 @cuda
 def test_replay_equals_eager_for_padded_batches_and_updated_tables():
     planner = _planner("cuda")
-    graphs = StepGraphs(planner, S, buckets=[1, 4, 16])
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[1, 4, 16])
     graphs.capture()
     assert graphs.captured == 3 * 2                               # widths 12 and 24 (1 is a plain round)
     for rnd, (b, width) in enumerate([(1, 24), (3, 12), (4, 24), (9, 24), (16, 12), (2, 24)]):
@@ -145,14 +144,14 @@ def _captured_build(planner: GraftPlanner, b: int, width: int):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     static = _inputs(b, 0, "cpu", planner.buffer.width)
-    draft_f = [f.name for f in fields(DraftCandidates)]
+    draft_f = ["scores", "tokens", "parent_list"]             # the dense tree: converted inside the record
     host_f = [f.name for f in fields(HostCandidates)]
     tensors = [t.clone() for t in [getattr(static[0], f) for f in draft_f] + [static[1]]
                + [getattr(static[2], f) for f in host_f] + list(static[3:])]
     meta = {}
 
     def step(*flat):
-        d = DraftCandidates(*flat[:len(draft_f)])
+        d = DenseDraft(*flat[:len(draft_f)], TOPK, STEPS)
         h = HostCandidates(*flat[len(draft_f) + 1:len(draft_f) + 1 + len(host_f)])
         slots, seq_lens, sampled = flat[-3:]
         out = planner.build(d, flat[len(draft_f)], h, slots, seq_lens, sampled, num_nodes=width)
@@ -198,7 +197,7 @@ def test_graph_replays_many_rounds_like_eager_on_cuda():
     """`StepGraphs` replays with no eager build in between end in the eager rounds' planner state."""
     vocab, b, rounds = 50, 4, 12
     eager, captured = _planner("cuda"), _planner("cuda")
-    graphs = StepGraphs(captured, S, buckets=[4])
+    graphs = StepGraphs(captured, TOPK, STEPS, buckets=[4])
     graphs.capture()
     eager_trees = _run_rounds(eager, lambda *a: eager.build(*a), rounds, b, "cuda", vocab)
     replay_trees = _run_rounds(captured, lambda *a: graphs.build(*a), rounds, b, "cuda", vocab)

@@ -15,7 +15,7 @@ from graft_spec.calibration import CHAIN_DECAY
 from graft_spec.config import GraftConfig
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
-from graft_spec.step import dense_draft_candidates, reanchor
+from graft_spec.step import DenseDraft, dense_draft_candidates, reanchor
 from graft_spec.sources import (NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_LOOKUP, SOURCE_OUTPUTS,
                                 SOURCE_PADDING, SOURCE_SUFFIX, grafted)
 from graft_spec.tree import eagle_step, has_duplicate_siblings, validate_parents
@@ -49,7 +49,9 @@ class HostReadGuard(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True):
+def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True, unconverted=False):
+    """A round's build inputs from random dense EAGLE lists; the draft as `DraftCandidates`, or with
+    ``unconverted`` as the `DenseDraft` the SGLang worker hands over."""
     s = topk + (steps - 1) * topk * topk
     p = 1 + topk * (steps - 1)
     if dev == "meta":
@@ -66,7 +68,8 @@ def dense_inputs(b, topk, steps, vocab, m, dev, gen=None, succ_rows=True):
             pl.append(pa)
         scores, tokens = torch.cat(sl, 1), torch.cat(tl, 1)
         parent_list = torch.cat([x.reshape(b, -1) for x in pl[:-1]], 1)
-    draft = dense_draft_candidates(scores, tokens, parent_list, topk, steps)
+    draft = (DenseDraft(scores, tokens, parent_list, topk, steps) if unconverted
+             else dense_draft_candidates(scores, tokens, parent_list, topk, steps))
 
     def randint(shape):   # from ``gen`` when given: the inputs must not depend on earlier tests' draws
         if gen is None or dev == "meta":
@@ -103,13 +106,14 @@ def test_step_compiles_fullgraph_and_dispatches_no_host_op(b, n, exclusive):
     """``torch.compile(fullgraph=True, dynamic=False)`` traces the whole step without a graph break
     (a host read or data-dependent branch would break it), the compiled step equals the eager one,
     and the eager step dispatches none of `HOST_OPS`; with every sibling-caps mode, and the output
-    index on greedy rows only (the default) or on every row."""
+    index on greedy rows only (the default) or on every row; at batch 16 the draft comes as the
+    unconverted `DenseDraft`."""
     topk, steps = SHAPES[n]
     cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, graft={"exclusive_siblings": exclusive},
                       retrieval={"outputs": "greedy" if exclusive == "greedy" else "on"})
     planner = GraftPlanner(cfg, 5000, max_slots=64)
     gen = torch.Generator().manual_seed(b * 100 + n)
-    args = dense_inputs(b, topk, steps, 5000, 64, "cpu", gen)
+    args = dense_inputs(b, topk, steps, 5000, 64, "cpu", gen, unconverted=b == 16)   # 16: the server's form
     slots = args[3]
     ctx = torch.randint(0, 5000, (b, 40), generator=gen)
     planner.history.reset(slots, ctx, torch.full((b,), 40))
@@ -668,3 +672,29 @@ def test_root_only_layout_equals_the_general_layout():
         a, b = getattr(fast.tree, f), getattr(ref.tree, f)
         assert a.dtype == b.dtype and torch.equal(a, b), f
     assert fast.first_child.data_ptr() != fast.next_sibling.data_ptr() != fast.tree.parents.data_ptr()
+
+
+@pytest.mark.parametrize("topk,steps", [(1, 1), (4, 1), (4, 4), (10, 7), (3, 5)])
+def test_dense_draft_candidates_follow_the_eagle_parent_rule(topk, steps):
+    """Index g has tb = g // topk: tb == 0 -> child of the root (whatever parent_list[:, 0] holds),
+    else the node parent_list[tb]; depth 1 for the first topk, then one level per topk**2 (eagle.cuh)."""
+    gen = torch.Generator().manual_seed(topk * 100 + steps)
+    b, s, w = 3, topk + (steps - 1) * topk * topk, 1 + topk * (steps - 1)
+    scores = torch.rand(b, s, generator=gen)
+    scores[0, -1] = 0.0
+    scores[1, 0] = float("nan")
+    tokens = torch.randint(0, 1000, (b, s), generator=gen)
+    parent_list = torch.randint(0, max(s, 1), (b, w if steps > 1 else 0), generator=gen)
+    d = dense_draft_candidates(scores, tokens, parent_list, topk, steps)
+    for r in range(b):
+        for g in range(s):
+            tb = g // topk
+            assert d.parents[r, g] == (-1 if tb == 0 else parent_list[r, tb])
+            assert d.depth[r, g] == (1 if g < topk else 2 + (g - topk) // (topk * topk))
+    expect = torch.log(scores)
+    expect[scores == 0] = torch.finfo(torch.float32).min    # an undrafted node: the lowest finite log
+    expect[torch.isnan(scores)] = -math.inf
+    assert torch.equal(d.logq, expect) and torch.equal(d.tokens, tokens)
+    if steps > 1:
+        with pytest.raises(ValueError, match="parent_list has"):
+            dense_draft_candidates(scores, tokens, parent_list[:, :-1], topk, steps)
