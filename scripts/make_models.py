@@ -1,22 +1,23 @@
 #!/usr/bin/env python
 """Build the small real models graft-spec tests, quickstart and benchmarks run on.
 
-    python scripts/make_models.py [--quick | --preset quick|default|gpu|moe-quick] [--out DIR] [--device cpu]
+    python scripts/make_models.py [--quick | --preset quick|default|gpu|moe-quick|moe] [--out DIR] [--device cpu]
         [--seed N] [--threads N] [--compile] [--stages tokenizer,data,...]
 
 Writes, under ``--out`` (default ``models/quick``; ``models/default``, the shipped pair, for ``gpu``;
 ``models/default-cpu`` for the CPU ``default`` preset):
 
 * ``target/``  a ``Qwen3ForCausalLM`` checkpoint (safetensors, float32, tokenizer, chat template);
-  ``Qwen3MoeForCausalLM`` (8 experts, top-2) for ``moe-quick``, into ``models/moe-quick``
+  ``Qwen3MoeForCausalLM`` for ``moe-quick`` (8 experts, top-2, into ``models/moe-quick``) and ``moe``
+  (the shipped pair's shape with 32 experts, top-4, into ``models/moe``; meant for ``--device cuda``)
 * ``draft/``   its EAGLE-3 head (``LlamaForCausalLMEagle3`` layout, as public EAGLE-3 heads)
 * ``metrics.json`` held-out loss/perplexity, draft agreement, simulated accept length, timings
 * ``DONE``     written last; its presence means every file above is complete.
 
 Stages (tokenizer, data, target, draft, eval) are resumable: a stage whose marker in ``.stages/``
 matches the current settings (and its upstream stages) is skipped; a preset that shares another's
-tokenizer and data (``moe-quick`` shares ``quick``'s) copies them from ``models/<that preset>`` when
-they are built there with the same settings. ``--stages`` runs only the named
+tokenizer and data (``moe-quick`` shares ``quick``'s, ``moe`` the ``gpu`` preset's in ``models/default``)
+copies them from that preset's folder when they are built there with the same settings. ``--stages`` runs only the named
 stages and takes the others' outputs as they are (e.g. corpus stages on a machine with the registry,
 training stages on a GPU machine with the ``data/`` and ``tokenizer/`` folders copied over). On CUDA
 the forward passes run under bf16 autocast (float32 weights and optimiser). See docs/models.md.
@@ -47,7 +48,7 @@ from modelmaking import corpus as corpus_mod  # noqa: E402
 from modelmaking.data import encode_stream, eval_windows  # noqa: E402
 from modelmaking.eagle3 import aux_layer_ids, load_draft, save_draft  # noqa: E402
 from modelmaking.evaluate import greedy_chain, teacher_forced_agreement  # noqa: E402
-from modelmaking.sizes import PRESETS, SizeSpec  # noqa: E402
+from modelmaking.sizes import PRESETS, SizeSpec, folder  # noqa: E402
 from modelmaking.target import (  # noqa: E402
     build_config, heldout_loss, init_model, load_target, save_target, train_target,
 )
@@ -157,7 +158,7 @@ class Builder:
         too. Returns the adopted marker, or None (nothing shared, or built differently there)."""
         if not self.spec.shares or stage not in self.stages:
             return None
-        src = self.out.parent / self.spec.shares
+        src = self.out.parent / folder(self.spec.shares)
         marker = src / ".stages" / f"{stage}.json"
         if not (marker.exists() and (src / name).is_dir()):
             return None
@@ -349,9 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny models for tests (< 3 min on 2 cores); "
                     "same as --preset quick")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="size preset (default: default; gpu = the shipped pair, meant for --device cuda)")
+                    help="size preset (default: default; gpu = the shipped pair and moe = its MoE twin, both "
+                    "meant for --device cuda)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="output dir (default models/quick | models/default-cpu | models/default for gpu)")
+                    help="output dir (default models/<preset>; models/default-cpu for default, models/default for gpu)")
     ap.add_argument("--stages", default=",".join(STAGES),
                     help="comma-separated stages to run; the others must already be complete in --out")
     ap.add_argument("--device", default="cpu", help="training device, e.g. cpu or cuda")
@@ -371,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.preset not in (None, "quick"):
         ap.error("--quick and --preset disagree")
     spec = PRESETS["quick" if args.quick else (args.preset or "default")]
-    # the gpu preset is the shipped pair (models/default); the CPU default preset never overwrites it
-    out = (args.out or REPO / "models" / {"gpu": "default", "default": "default-cpu"}.get(spec.name, spec.name)).resolve()
+    out = (args.out or REPO / "models" / folder(spec.name)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     t0 = time.perf_counter()

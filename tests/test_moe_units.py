@@ -193,3 +193,42 @@ def test_memory_cli_runs(capsys):
                  "--graft-config", str(ROOT / "configs" / "qwen3-235b-a22b.yaml"), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["tp"] == 8 and out["num_draft_tokens"] == 60
+
+
+def test_moe_preset_is_the_shipped_pairs_shape_with_routed_experts(tmp_path):
+    """``--preset moe`` (trained on a GPU): the gpu preset's tokenizer, corpus, attention, schedule and
+    head, so its tokenizer and data stages are the shipped pair's (adopted from ``models/default``);
+    32 experts, top-4, whose active MLP width equals the dense pair's."""
+    import make_models
+    from modelmaking.sizes import PRESETS, folder
+    from modelmaking.target import build_config
+
+    moe, gpu = PRESETS["moe"], PRESETS["gpu"]
+    assert moe.shares == "gpu" and folder("gpu") == "default" and folder("moe") == "moe"
+    for field in ("max_train_chars", "tokenizer_chars", "vocab_size", "packages", "eval_tokens", "eval_seq_len",
+                  "draft"):
+        assert getattr(moe, field) == getattr(gpu, field), field
+    t, d = moe.target, gpu.target
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "seq_len", "batch_size", "steps", "lr"):
+        assert getattr(t, field) == getattr(d, field), field
+    assert t.moe.num_experts_per_tok * t.moe.moe_intermediate_size == d.intermediate_size
+    cfg = build_config(t, moe.vocab_size, {"endoftext": 0, "im_end": 1})
+    assert cfg.architectures == ["Qwen3MoeForCausalLM"] and (cfg.num_experts, cfg.num_experts_per_tok) == (32, 4)
+    a = make_models.Builder(tmp_path / "default", gpu, 0, "cpu", False)
+    b = make_models.Builder(tmp_path / "moe", moe, 0, "cpu", False)
+    assert a.fingerprint("tokenizer") == b.fingerprint("tokenizer") and a.fingerprint("data") == b.fingerprint("data")
+    assert a.fingerprint("target") != b.fingerprint("target")
+
+
+def test_moe_adopts_the_tokenizer_from_the_shipped_pairs_folder(tmp_path):
+    import make_models
+    from modelmaking.sizes import PRESETS
+
+    src = make_models.Builder(tmp_path / "default", PRESETS["gpu"], 0, "cpu", False)
+    (tmp_path / "default" / "tokenizer").mkdir()
+    (tmp_path / "default" / "tokenizer" / "tokenizer.json").write_text("{}")
+    src.finish("tokenizer", {"seconds": 0.0})
+    moe = make_models.Builder(tmp_path / "moe", PRESETS["moe"], 0, "cpu", False)
+    assert moe.adopt_shared("tokenizer", "tokenizer") is not None
+    assert (tmp_path / "moe" / "tokenizer" / "tokenizer.json").exists()
