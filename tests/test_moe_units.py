@@ -48,18 +48,20 @@ def test_dense_fingerprints_do_not_see_the_moe_field(tmp_path):
     assert spec.pop("moe") is None and "moe" not in spec
 
 
-def test_adopt_shared_copies_the_tokenizer_stage(tmp_path):
+@pytest.mark.parametrize("shared,folder,preset", [("quick", "quick", "moe-quick"), ("gpu", "default", "moe")])
+def test_adopt_shared_copies_the_tokenizer_stage(tmp_path, shared, folder, preset):
+    """From the shared preset's folder (the gpu preset's is the shipped pair's, models/default)."""
     import make_models
     from modelmaking.sizes import PRESETS
 
-    src = make_models.Builder(tmp_path / "quick", PRESETS["quick"], 0, "cpu", False)
-    (tmp_path / "quick" / "tokenizer").mkdir()
-    (tmp_path / "quick" / "tokenizer" / "tokenizer.json").write_text("{}")
+    src = make_models.Builder(tmp_path / folder, PRESETS[shared], 0, "cpu", False)
+    (tmp_path / folder / "tokenizer").mkdir()
+    (tmp_path / folder / "tokenizer" / "tokenizer.json").write_text("{}")
     src.finish("tokenizer", {"seconds": 0.0})
-    moe = make_models.Builder(tmp_path / "moe-quick", PRESETS["moe-quick"], 0, "cpu", False)
+    moe = make_models.Builder(tmp_path / preset, PRESETS[preset], 0, "cpu", False)
     marker = moe.adopt_shared("tokenizer", "tokenizer")
-    assert marker is not None and (tmp_path / "moe-quick" / "tokenizer" / "tokenizer.json").exists()
-    assert moe.done("tokenizer", [tmp_path / "moe-quick" / "tokenizer" / "tokenizer.json"]) is not None
+    assert marker is not None and (tmp_path / preset / "tokenizer" / "tokenizer.json").exists()
+    assert moe.done("tokenizer", [tmp_path / preset / "tokenizer" / "tokenizer.json"]) is not None
 
 
 def test_native_moe_hook_drops_other_ranks_experts():
@@ -220,15 +222,3 @@ def test_moe_preset_is_the_shipped_pairs_shape_with_routed_experts(tmp_path):
     assert a.fingerprint("tokenizer") == b.fingerprint("tokenizer") and a.fingerprint("data") == b.fingerprint("data")
     assert a.fingerprint("target") != b.fingerprint("target")
 
-
-def test_moe_adopts_the_tokenizer_from_the_shipped_pairs_folder(tmp_path):
-    import make_models
-    from modelmaking.sizes import PRESETS
-
-    src = make_models.Builder(tmp_path / "default", PRESETS["gpu"], 0, "cpu", False)
-    (tmp_path / "default" / "tokenizer").mkdir()
-    (tmp_path / "default" / "tokenizer" / "tokenizer.json").write_text("{}")
-    src.finish("tokenizer", {"seconds": 0.0})
-    moe = make_models.Builder(tmp_path / "moe", PRESETS["moe"], 0, "cpu", False)
-    assert moe.adopt_shared("tokenizer", "tokenizer") is not None
-    assert (tmp_path / "moe" / "tokenizer" / "tokenizer.json").exists()

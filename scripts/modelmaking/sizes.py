@@ -6,7 +6,7 @@ the same checkpoint on any machine with the same Python standard library.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -239,31 +239,8 @@ MOE_QUICK = SizeSpec(
 #: experts of width 384 with top-4 routing. The active MLP per token (4 x 384) is the dense pair's
 #: (1,536), so the two compare at equal compute; the experts hold 8x its MLP parameters (Qwen3-235B-A22B
 #: routes 8 of 128). Needs a GPU: the Hugging Face MoE forward loops over the experts.
-MOE = SizeSpec(
-    name="moe",
-    max_train_chars=GPU.max_train_chars,
-    tokenizer_chars=GPU.tokenizer_chars,
-    vocab_size=GPU.vocab_size,
-    target=TargetSpec(
-        hidden_size=GPU.target.hidden_size,
-        num_hidden_layers=GPU.target.num_hidden_layers,
-        num_attention_heads=GPU.target.num_attention_heads,
-        num_key_value_heads=GPU.target.num_key_value_heads,
-        head_dim=GPU.target.head_dim,
-        intermediate_size=GPU.target.intermediate_size,  # unused by the sparse layers; kept for config readers
-        seq_len=GPU.target.seq_len,
-        batch_size=GPU.target.batch_size,
-        steps=GPU.target.steps,
-        lr=GPU.target.lr,
-        warmup_frac=GPU.target.warmup_frac,
-        moe=MoeSpec(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384),
-    ),
-    draft=GPU.draft,
-    eval_tokens=GPU.eval_tokens,
-    packages=GPU.packages,
-    eval_seq_len=GPU.eval_seq_len,
-    shares="gpu",
-)
+MOE = replace(GPU, name="moe", shares="gpu",
+              target=replace(GPU.target, moe=MoeSpec(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384)))
 
 PRESETS = {"quick": QUICK, "default": DEFAULT, "gpu": GPU, "moe-quick": MOE_QUICK, "moe": MOE}
 
