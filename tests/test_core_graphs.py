@@ -24,6 +24,7 @@ from graft_spec.tree import DraftTree
 from test_core_step import dense_inputs
 
 TOPK, STEPS, VOCAB = 4, 4, 5000
+S = TOPK + (STEPS - 1) * TOPK * TOPK
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
@@ -61,6 +62,25 @@ def test_eager_fallback_without_a_capture():
         graphs.capture()
     with pytest.raises(ValueError, match="widths"):
         StepGraphs(planner, TOPK, STEPS, buckets=[4], widths=[1, 25])
+
+
+@pytest.mark.parametrize("b,width", [(3, 12), (4, 24)])
+def test_static_buffers_give_the_eager_tree_on_cpu(b, width):
+    """What a capture records, run eagerly on CPU: the bucket's static inputs (`DenseDraft` buffers,
+    host fields, roots, slots) loaded with a batch of ``b <= bucket`` rows, the captured call, and the
+    first ``b`` rows of its output equal `GraftPlanner.build` of the batch."""
+    planner = _planner("cpu")
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4])
+    st = graphs._make_static(4)
+    assert st.draft.parent_list.shape == (4, 1 + TOPK * (STEPS - 1)) and st.draft.scores.shape == (4, S)
+    args = _inputs(b, 5, "cpu", planner.buffer.width)
+    st.load(*args)
+    got = graphs._call(st, width)
+    want = planner.build(*args, num_nodes=width)
+    rows = lambda t: t[:b]  # noqa: E731
+    for x, y in [(got.tree.tokens, want.tree.tokens), (got.tree.parents, want.tree.parents),
+                 (got.mask, want.mask), (got.positions, want.positions), (got.member_bins, want.member_bins)]:
+        assert torch.equal(rows(x), y)
 
 
 @cuda
