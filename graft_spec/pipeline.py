@@ -46,6 +46,7 @@ from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
 from .kernels import fused_kernels_for, fused_ops_everywhere
+from .kernels.tree_sample import tree_sample
 from .kernels.observe import gain_columns, observe_rows
 from .request_correction import RequestCorrection
 from .step import DenseDraft, DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
@@ -73,7 +74,7 @@ __all__ = [
     "GRAFTED_SOURCES",
     # reference tree / verify functions (an engine's CPU execution layer) and chain verification
     "ancestor_mask", "node_depths", "sibling_links", "chain_links", "parents_from_mask", "eagle_step", "greedy_verify",
-    "sample_verify", "spine_tree", "Chain", "ChainPricer",
+    "sample_verify", "tree_sample", "spine_tree", "Chain", "ChainPricer",
     # serving statistics (host accumulators, graft:* Prometheus series)
     "GraftStats", "prometheus_enabled",
     # the fused kernels' switches (graft_spec/kernels): op counting, and an adapter's own fused ops

@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from graft_spec.kernels.tree_sample import tree_sample
+from graft_spec.pipeline import tree_sample
 from sglang_patch.rebinding import rebound
 
 EAGLE_UTILS = "sglang.srt.speculative.eagle_utils"
