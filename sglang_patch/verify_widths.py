@@ -144,7 +144,8 @@ class WidthStates:
                 if width in self.states:
                     continue
                 steps = 0 if width == 1 else w.speculative_num_steps
-                share = steps == full.speculative_num_steps and not _ev2._is_musa
+                share = (steps == full.speculative_num_steps and not _ev2._is_musa
+                         and not _ev2.current_platform.is_out_of_tree())
                 before = _device_bytes(w.device)
                 with _sharing_draft_decode(dw, full) if share else contextlib.nullcontext():
                     state = w.build_adaptive_runtime_state(
@@ -195,8 +196,9 @@ def _sharing_draft_decode(draft_worker, full: SpecRuntimeState) -> Iterator[None
     draft extend backend and puts the full-width draft decode backend back, and the draft decode graph
     runner "class" (``EAGLEDraftCudaGraphRunner`` / ``EAGLEDraftNpuGraphRunner``, looked up at :488-491)
     returns the full-width runner instead of capturing new graphs. Not used on MUSA, whose draft extend
-    runner is looked up under the same name (:543). A platform plugin's own runner classes are not
-    rebound (such a state gets its own graphs, as in SGLang)."""
+    runner is looked up under the same name (:543), nor on an out-of-tree platform, whose runner
+    classes come from its plugin (:151-161): a new runner there would re-initialise the shared
+    backend's graph buffers under the full width's graphs, so such states keep SGLang's own build."""
     init = draft_worker.init_attention_backend
 
     def init_keeping_draft_decode():
