@@ -20,7 +20,8 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
 Rows also carry the kernels one build replay, one whole replayed build (with its input copies and
 output clones) and one observe launch (from the profiler), and whether
 the last replayed tree equals an eager build of the same inputs (the replays run back to back, with
-no eager build between them, as in the server). ``--forward`` adds, in the same run, the verify
+no eager build between them, as in the server) and that build equals one with every fused kernel's
+torch reference (``fused_trees_equal_reference``). ``--forward`` adds, in the same run, the verify
 forward of a Qwen3-8B-shaped target (``configs/shapes/qwen3-8b.json``: transformers' Qwen3, random
 bf16 weights, N tokens per request over a ``--cache-len`` KV cache), an EAGLE-3 head round
 (``configs/shapes/qwen3-8b-eagle3.json``) and the step's share of the graft round.
@@ -31,7 +32,9 @@ Needs a CUDA device (exit 2 without one; ``--device cpu`` is an eager-only dry r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,9 +46,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from graft_spec.graphs import StepGraphs  # noqa: E402
+from graft_spec.kernels.layout import REFERENCE_ENV  # noqa: E402
 from graft_spec.pipeline import on_path_from_accept_index  # noqa: E402
 from graft_spec.step import DenseDraft  # noqa: E402
 from sglang_patch.bench.step import dense_lists, workload  # noqa: E402  (no engine import)
+
+
+@contextlib.contextmanager
+def _reference_kernels():
+    """The torch references instead of the fused kernels (``GRAFT_REFERENCE_KERNELS=1``, read per call)."""
+    saved = os.environ.get(REFERENCE_ENV)
+    os.environ[REFERENCE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[REFERENCE_ENV]
+        else:
+            os.environ[REFERENCE_ENV] = saved
 
 
 def _median_ms(times: list[float]) -> float:
@@ -199,6 +217,11 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     ref = planner.build(*last[0])
     equal = [bool(torch.equal(last[1], ref.tree.tokens) and torch.equal(last[2], ref.tree.parents)
                   and torch.equal(last[3], ref.mask))]
+    with _reference_kernels():   # the same build with the torch reference of every fused kernel, on the device
+        torch_ref = planner.build(*last[0])
+    row["fused_trees_equal_reference"] = bool(torch.equal(ref.tree.tokens, torch_ref.tree.tokens)
+                                               and torch.equal(ref.tree.parents, torch_ref.tree.parents)
+                                               and torch.equal(ref.mask, torch_ref.mask))
     graph, _ = graphs._graphs[(b, n)]
     kernels = _kernels(lambda: graph.replay(), sync)
     x, _ = inputs()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a CUDA machine that has torch, Triton and pytest but no package
+# registry and no SGLang (the lent device machines):
+#
+#   here, with the registry:   bash scripts/device_check.sh --prepare   # pydantic wheels into .device/
+#   there, in one call:        bash scripts/device_check.sh             # carry: [".device"]
+#
+# Writes into $OUT (default ./device_out): device.txt (GPU, torch, Triton), tests.log (the CUDA tests
+# of tests/test_core_graphs.py: StepGraphs replays equal eager builds, many rounds with no eager build
+# in between end in the eager planner state) and step_cuda.json / step_cuda.log
+# (scripts/bench_step_cuda.py --forward: kernels and ms per round, replayed vs eager, fused trees vs the
+# torch reference, beside a Qwen3-8B-shaped verify forward and an EAGLE-3 head round).
+# GRAFT_DEVICE_BENCH_ARGS adds arguments to the benchmark (e.g. "--batches 64 --nodes 60").
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WHEELS="$ROOT/.device/wheels"
+
+if [ "${1:-}" = "--prepare" ]; then
+  # the device's python3 is CPython 3.12 on x86-64 (/work/.library/device/KINDS.md); pydantic is the
+  # only import of graft_spec that its image lacks
+  mkdir -p "$WHEELS"
+  python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" "pydantic>=2.5"
+  grep -qxF "/.device/" "$ROOT/.git/info/exclude" 2>/dev/null || echo "/.device/" >> "$ROOT/.git/info/exclude"
+  ls "$WHEELS"
+  exit 0
+fi
+
+cd "$ROOT"
+OUT="${OUT:-$ROOT/device_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1 GRAFT_NO_MODEL_BUILD=1
+python3 -c "import pydantic" 2>/dev/null || python3 -m pip install --quiet --no-index --find-links "$WHEELS" pydantic
+{ nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+'device', torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_core_graphs.py 2>&1 | tee "$OUT/tests.log"
+# shellcheck disable=SC2086
+timeout 420 python3 scripts/bench_step_cuda.py --json "$OUT/step_cuda.json" --forward ${GRAFT_DEVICE_BENCH_ARGS:-} \
+  2>&1 | tee "$OUT/step_cuda.log"
