@@ -109,7 +109,7 @@ class StepGraphs:
         m = self.planner.buffer.width
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         draft = DenseDraft(torch.zeros(bucket, s, device=dev), z(bucket, s),
-                           z(bucket, (self.steps - 1) * self.topk + 1 if self.steps > 1 else 0) - 1,
+                           z(bucket, 1 + (self.steps - 1) * self.topk) - 1,   # the draft sink's width
                            self.topk, self.steps)
         host = HostCandidates(z(bucket, m), z(bucket, m) - 1, torch.full((bucket, m), -float("inf"), device=dev),
                               z(bucket, m) - 1, z(bucket, m) + 1, z(bucket), z(bucket),

@@ -115,7 +115,8 @@ class DenseDraft:
     Attributes:
         scores: ``float32[B, S]`` cumulative draft probabilities, S = topk + (steps - 1) * topk**2.
         tokens: ``int64[B, S]``.
-        parent_list: ``int64[B, 1 + topk * (steps - 1)]`` (0 columns when steps = 1).
+        parent_list: ``int64[B, 1 + topk * (steps - 1)]`` (with steps = 1 its one column is unused; 0
+            columns are accepted too).
         topk, steps: the draft shape (Python ints: static).
     """
 
