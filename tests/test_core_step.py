@@ -698,3 +698,6 @@ def test_dense_draft_candidates_follow_the_eagle_parent_rule(topk, steps):
     if steps > 1:
         with pytest.raises(ValueError, match="parent_list has"):
             dense_draft_candidates(scores, tokens, parent_list[:, :-1], topk, steps)
+    else:   # the SGLang worker's sink keeps one (unused) column at one step
+        one = dense_draft_candidates(scores, tokens, torch.full((b, 1), 7), topk, steps)
+        assert torch.equal(one.parents, d.parents) and (one.parents == -1).all()
