@@ -144,7 +144,8 @@ class StepGraphs:
                 self._graphs[(bucket, width)] = (graph, out)
 
     def build(self, draft: "DenseDraft | DraftCandidates", roots: torch.Tensor, host: HostCandidates,
-              slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None) -> StepOutput:
+              slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
+              num_nodes: Optional[int] = None) -> StepOutput:
         """`GraftPlanner.build` with the same arguments, replayed from a graph when one was captured
         for the batch's bucket and the width (else eager). Returns `StepOutput` ``[B, num_nodes]``."""
         width = num_nodes or self.planner.config.num_draft_tokens

@@ -44,8 +44,7 @@ MAX_SHARE = 0.5
 _plan: Dict[str, Any] = {}
 
 
-def estimate_width_bytes(width: int, *, backend: str, graphs: bool, graph_max_bs: int, context: int,
-                         topk: int, depth: int) -> int:
+def estimate_width_bytes(width: int, *, backend: str, graphs: bool, graph_max_bs: int, context: int) -> int:
     """Bytes one extra verify-width state is expected to hold, per rank (`sglang_patch.memory`'s
     `width_state_bytes`): the target attention backend's own workspace (FlashInfer:
     ``SGLANG_FLASHINFER_WORKSPACE_SIZE``, default 384 MiB; 0 for other backends) and, with CUDA graphs,
@@ -59,15 +58,13 @@ def estimate_width_bytes(width: int, *, backend: str, graphs: bool, graph_max_bs
         graphs: whether CUDA graphs are captured.
         graph_max_bs: the largest captured decode batch.
         context: the model's context length (tokens).
-        topk, depth: the draft tree's shape.
     """
     from sglang_patch.memory import FLASHINFER_WORKSPACE_BYTES, Serving, width_state_bytes
 
     workspace = 0
     if backend == "flashinfer":
         workspace = int(os.environ.get("SGLANG_FLASHINFER_WORKSPACE_SIZE", FLASHINFER_WORKSPACE_BYTES))
-    serving = Serving(topk=topk, depth=depth, max_running_requests=graph_max_bs if graphs else 0, context=context,
-                      attn_workspace=workspace)
+    serving = Serving(max_running_requests=graph_max_bs if graphs else 0, context=context, attn_workspace=workspace)
     return width_state_bytes(serving, width)
 
 
@@ -137,8 +134,7 @@ def _reserve(available: int, configurator) -> int:
         max_bs = get_exec().graph.cuda_graph_config.decode.max_bs or getattr(sa, "max_running_requests", None) or 1
         backend = str(getattr(sa, "decode_attention_backend", None) or getattr(sa, "attention_backend", None) or "")
         per_width = {w: estimate_width_bytes(w, backend=backend, graphs=graphs, graph_max_bs=int(max_bs),
-                                             context=int(configurator.model_config.context_len), topk=cfg.topk,
-                                             depth=cfg.depth) for w in widths}
+                                             context=int(configurator.model_config.context_len)) for w in widths}
         source = "estimate"
     plan = plan_reserve(available, widths, n, per_width)
     plan.update(profiled_bytes=available, kv_bytes=available - plan["reserve_bytes"], source=source)

@@ -31,14 +31,13 @@ def test_plan_drops_the_widest_extra_width_first_and_width_1_last():
 
 
 def test_estimate_counts_the_flashinfer_workspace_and_graph_buffers():
-    shape = dict(graph_max_bs=8, context=4096, topk=4, depth=5)
+    shape = dict(graph_max_bs=8, context=4096)
     assert kv_reserve.estimate_width_bytes(12, backend="torch_native", graphs=False, **shape) == 0
     assert kv_reserve.estimate_width_bytes(12, backend="flashinfer", graphs=False, **shape) == FLASHINFER_WORKSPACE_BYTES
     # target verify + draft extend: int32 KV indices and a uint8 tree mask per (token, context position);
-    # no draft decode buffers (the full width's are shared), so depth and top-k do not enter
+    # no draft decode buffers (the full width's are shared): the draft depth and top-k do not enter
     graphs = 2 * (4 + 1) * 8 * 12 * 4096
     assert kv_reserve.estimate_width_bytes(12, backend="fa3", graphs=True, **shape) == graphs
-    assert kv_reserve.estimate_width_bytes(12, backend="fa3", graphs=True, **{**shape, "depth": 9, "topk": 8}) == graphs
     assert kv_reserve.estimate_width_bytes(1, backend="fa3", graphs=True, **shape) == 2 * 5 * 8 * 1 * 4096
 
 
