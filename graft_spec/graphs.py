@@ -7,7 +7,7 @@ docs/benchmark.md). SGLang captures its own draft forwards and tree build the sa
 
 `StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
 round copies its inputs (the draft as SGLang's dense tree, `DenseDraft`, whose conversion to
-candidates is part of the graph) into the first ``B`` rows of the smallest bucket that holds the batch
+candidates is part of the graph; the host proposals as the one block they were uploaded in) into the first ``B`` rows of the smallest bucket that holds the batch
 (padding rows keep earlier valid values, their trees are dropped), replays, and clones the first
 ``B`` rows of the outputs (graphs share one memory pool, so a later replay may reuse an earlier
 one's output memory). The planner's tables (calibration counts, successor table, token history,
@@ -21,7 +21,7 @@ given as `DraftCandidates` run the eager `GraftPlanner.build`: same function, sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -38,11 +38,12 @@ __all__ = ["StepGraphs"]
 
 @dataclass
 class _Static:
-    """The captured inputs of one batch bucket (``[bucket, ...]``)."""
+    """The captured inputs of one batch bucket (``[bucket, ...]``): the host proposals as their packed
+    block (`HostCandidates.unpack` runs inside the graph), so a round loads them with one copy."""
 
     draft: DenseDraft
     roots: torch.Tensor
-    host: HostCandidates
+    host_block: torch.Tensor
     slots: torch.Tensor
     seq_lens: torch.Tensor
     sampled: torch.Tensor
@@ -52,8 +53,7 @@ class _Static:
         b = roots.shape[0]
         for name in ("scores", "tokens", "parent_list"):
             getattr(self.draft, name)[:b].copy_(getattr(draft, name))
-        for f in fields(HostCandidates):
-            getattr(self.host, f.name)[:b].copy_(getattr(host, f.name))
+        host.pack_into(self.host_block)
         self.roots[:b].copy_(roots)
         self.slots[:b].copy_(slots)
         self.seq_lens[:b].copy_(seq_lens)
@@ -111,14 +111,14 @@ class StepGraphs:
         draft = DenseDraft(torch.zeros(bucket, s, device=dev), z(bucket, s),
                            z(bucket, 1 + (self.steps - 1) * self.topk) - 1,   # the draft sink's width
                            self.topk, self.steps)
-        host = HostCandidates(z(bucket, m), z(bucket, m) - 1, torch.full((bucket, m), -float("inf"), device=dev),
-                              z(bucket, m) - 1, z(bucket, m) + 1, z(bucket), z(bucket),
-                              torch.zeros(bucket, dtype=torch.bool, device=dev))      # every buffer its own
+        host_block = z(bucket, 5, m + 1)
+        HostCandidates.empty(bucket, m, dev).pack_into(host_block)
         slots = torch.arange(bucket, device=dev).clamp(max=self.planner.history.tokens.shape[0] - 1)
-        return _Static(draft, z(bucket), host, slots, z(bucket), torch.zeros(bucket, dtype=torch.bool, device=dev))
+        return _Static(draft, z(bucket), host_block, slots, z(bucket), torch.zeros(bucket, dtype=torch.bool, device=dev))
 
     def _call(self, st: _Static, width: int) -> StepOutput:
-        return self.planner.build(st.draft, st.roots, st.host, st.slots, st.seq_lens, st.sampled, num_nodes=width)
+        return self.planner.build(st.draft, st.roots, HostCandidates.unpack(st.host_block), st.slots, st.seq_lens,
+                                  st.sampled, num_nodes=width)
 
     def capture(self) -> None:
         """Capture every (bucket, width) graph (start-up: a device synchronise per graph).

@@ -380,7 +380,7 @@ class GraftWorker(EAGLEWorkerV2):
             self._fault_noted = True
             logger.warning("%s=%s: TP rank %s scrambles its own host proposals and draft scores "
                            "(fault injection for tests)", FAULT_ENV, rank, rank)
-        host = dataclasses.replace(host, tokens=host.tokens.flip(1))
+        host = dataclasses.replace(host, tokens=host.tokens.flip(1), packed=None)   # the block is stale
         return host, dataclasses.replace(draft, scores=draft.scores.flip(1))
 
     def _slots(self) -> None:

@@ -21,6 +21,7 @@ from graft_spec.retrieval.buffer import HostCandidates
 from graft_spec.step import DenseDraft, StepOutput
 from graft_spec.tree import DraftTree
 
+from sglang_patch.bench.step import OpCounter
 from test_core_step import dense_inputs
 
 TOPK, STEPS, VOCAB = 4, 4, 5000
@@ -64,17 +65,41 @@ def test_eager_fallback_without_a_capture():
         StepGraphs(planner, TOPK, STEPS, buckets=[4], widths=[1, 25])
 
 
-@pytest.mark.parametrize("b,width", [(3, 12), (4, 24)])
-def test_static_buffers_give_the_eager_tree_on_cpu(b, width):
+def _packed(host: HostCandidates) -> HostCandidates:
+    """The same proposals as one uploaded block (what `HostCandidateBuffer.upload` hands the step)."""
+    block = torch.zeros(host.tokens.shape[0], 5, host.width + 1, dtype=torch.int64, device=host.tokens.device)
+    host.pack_into(block)
+    return HostCandidates.unpack(block)
+
+
+def test_packed_host_block_round_trips_every_field():
+    host = _inputs(3, 1, "cpu", 16)[2]
+    packed = _packed(host)
+    for name in ("tokens", "parents", "logp", "member", "match", "anchor_len", "group", "speculate"):
+        x, y = getattr(host, name), getattr(packed, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    block = torch.full((4, 5, 17), 7, dtype=torch.int64)
+    packed.pack_into(block)                                   # the one-copy path: rows 0..2 only
+    assert torch.equal(block[:3], packed.packed) and (block[3] == 7).all()
+
+
+@pytest.mark.parametrize("b,width,packed", [(3, 12, False), (4, 24, False), (3, 24, True)])
+def test_static_buffers_give_the_eager_tree_on_cpu(b, width, packed):
     """What a capture records, run eagerly on CPU: the bucket's static inputs (`DenseDraft` buffers,
-    host fields, roots, slots) loaded with a batch of ``b <= bucket`` rows, the captured call, and the
-    first ``b`` rows of its output equal `GraftPlanner.build` of the batch."""
+    the host proposals' block, roots, slots) loaded with a batch of ``b <= bucket`` rows, the captured
+    call, and the first ``b`` rows of its output equal `GraftPlanner.build` of the batch (host
+    proposals given field by field or, as uploaded, packed)."""
     planner = _planner("cpu")
     graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4])
     st = graphs._make_static(4)
     assert st.draft.parent_list.shape == (4, 1 + TOPK * (STEPS - 1)) and st.draft.scores.shape == (4, S)
-    args = _inputs(b, 5, "cpu", planner.buffer.width)
-    st.load(*args)
+    assert st.host_block.shape == (4, 5, planner.buffer.width + 1)
+    args = list(_inputs(b, 5, "cpu", planner.buffer.width))
+    if packed:
+        args[2] = _packed(args[2])
+    with OpCounter() as load:
+        st.load(*args)
+    assert load.ops == 3 + (1 if packed else 8) + 4     # draft, host proposals, roots / slots / lengths / sampled
     got = graphs._call(st, width)
     want = planner.build(*args, num_nodes=width)
     rows = lambda t: t[:b]  # noqa: E731
@@ -148,6 +173,7 @@ def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, 
         roots = r if roots is None else roots
         seq_lens = seq_lens + 4 * rnd
         host.anchor_len.copy_(seq_lens + 1)
+        host = _packed(host) if rnd % 2 else host              # as uploaded (one block) every other round
         out = build(draft, roots, host, slots, seq_lens, sampled)
         trees.append(torch.stack([out.tree.tokens, out.tree.parents, out.tree.source]).cpu())
         on_path, topk, committed, accept_len = _verify(out, vocab, gen)
@@ -157,24 +183,23 @@ def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, 
 
 
 def _captured_build(planner: GraftPlanner, b: int, width: int):
-    """``planner.build`` recorded once by ``make_fx`` over static input buffers, replayed per call
-    (the CPU stand-in of `StepGraphs`' capture and replay)."""
-    from dataclasses import fields
-
+    """`StepGraphs`' captured call (``_call`` over a bucket's static inputs, ``b`` rows) recorded once
+    by ``make_fx`` and replayed per call after `_Static.load` (the CPU stand-in of its capture and
+    replay)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    static = _inputs(b, 0, "cpu", planner.buffer.width)
-    draft_f = ["scores", "tokens", "parent_list"]             # the dense tree: converted inside the record
-    host_f = [f.name for f in fields(HostCandidates)]
-    tensors = [t.clone() for t in [getattr(static[0], f) for f in draft_f] + [static[1]]
-               + [getattr(static[2], f) for f in host_f] + list(static[3:])]
+    from graft_spec.graphs import _Static
+
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[b], widths=[width])
+    st = graphs._make_static(b)
+    st.load(*_inputs(b, 0, "cpu", planner.buffer.width))
+    tensors = [st.draft.scores, st.draft.tokens, st.draft.parent_list, st.roots, st.host_block, st.slots,
+               st.seq_lens, st.sampled]
     meta = {}
 
     def step(*flat):
-        d = DenseDraft(*flat[:len(draft_f)], TOPK, STEPS)
-        h = HostCandidates(*flat[len(draft_f) + 1:len(draft_f) + 1 + len(host_f)])
-        slots, seq_lens, sampled = flat[-3:]
-        out = planner.build(d, flat[len(draft_f)], h, slots, seq_lens, sampled, num_nodes=width)
+        d = DenseDraft(*flat[:3], TOPK, STEPS)
+        out = graphs._call(_Static(d, *flat[3:]), width)
         meta["factors"] = out.factors is not None
         return (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source, out.member_bins, out.depth,
                 out.positions, out.mask, out.first_child, out.next_sibling, out.estimates, out.groups, out.gain,
@@ -183,9 +208,7 @@ def _captured_build(planner: GraftPlanner, b: int, width: int):
     graph = make_fx(step)(*tensors)
 
     def replay(draft, roots, host, slots, seq_lens, sampled):
-        for buf, x in zip(tensors, [getattr(draft, f) for f in draft_f] + [roots]
-                          + [getattr(host, f) for f in host_f] + [slots, seq_lens, sampled]):
-            buf.copy_(x)
+        st.load(draft, roots, host, slots, seq_lens, sampled)
         o = [t.clone() for t in graph(*tensors)]
         tree = DraftTree(*o[:4])
         return StepOutput(tree, *o[4:10], planner.calibrator.table, o[11], o[12],

@@ -41,6 +41,9 @@ class HostCandidates:
         group: ``int64[B]`` the request's successor-table isolation group.
         speculate: ``bool[B]`` False for requests that opted out of speculation (no candidate of
             any source enters their tree; step.py).
+        packed: the uploaded ``int64[B, 5, M + 1]`` block the fields were read from (`unpack`; module
+            docstring), None when the fields were built one by one (a copy that changes a field sets
+            it to None).
     """
 
     tokens: torch.Tensor
@@ -51,6 +54,7 @@ class HostCandidates:
     anchor_len: torch.Tensor
     group: torch.Tensor
     speculate: Optional[torch.Tensor] = None
+    packed: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.speculate is None:
@@ -59,6 +63,30 @@ class HostCandidates:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+    @staticmethod
+    def unpack(block: torch.Tensor) -> "HostCandidates":
+        """The fields of a packed block ``int64[B, 5, M + 1]`` (module docstring): views, plus two ops
+        (the log-probabilities to ``float32``, the speculate flags to ``bool``)."""
+        m = block.shape[2] - 1
+        return HostCandidates(tokens=block[:, 0, :m], parents=block[:, 1, :m],
+                              logp=block[:, 2, :m].view(torch.float64).float(), member=block[:, 3, :m],
+                              match=block[:, 4, :m], anchor_len=block[:, 0, m], group=block[:, 1, m],
+                              speculate=block[:, 2, m] != 0, packed=block)
+
+    def pack_into(self, block: torch.Tensor) -> None:
+        """Write the first ``B`` rows of a packed block ``int64[>= B, 5, M + 1]`` (the inverse of `unpack`):
+        one copy when this batch came packed, else one per field (log-probabilities as ``float64``)."""
+        b, m = self.tokens.shape
+        if self.packed is not None and self.packed.shape[1:] == block.shape[1:]:
+            block[:b].copy_(self.packed)
+            return
+        for row, field in enumerate((self.tokens, self.parents, None, self.member, self.match)):
+            if field is not None:
+                block[:b, row, :m].copy_(field)
+        block[:b, 2, :m].view(torch.float64).copy_(self.logp)
+        for row, field in enumerate((self.anchor_len, self.group, self.speculate)):
+            block[:b, row, m].copy_(field)
 
     @staticmethod
     def empty(batch: int, width: int, device: torch.device | str = "cpu") -> "HostCandidates":
@@ -145,8 +173,4 @@ class HostCandidateBuffer:
             event.record()
             self._copied[self._cur] = event
         self._use(1 - self._cur)
-        m = self.width
-        return HostCandidates(
-            tokens=dev[:, 0, :m], parents=dev[:, 1, :m], logp=dev[:, 2, :m].view(torch.float64).float(),
-            member=dev[:, 3, :m], match=dev[:, 4, :m], anchor_len=dev[:, 0, m], group=dev[:, 1, m],
-            speculate=dev[:, 2, m] != 0)
+        return HostCandidates.unpack(dev)
