@@ -8,11 +8,12 @@ deep as the budget (SGLang's NGRAM gets deep loop chains from its trie in the sa
 prompt lookup decoding, Saxena 2023, is the chain-only form). The chain's nodes are priced by the
 calibrator by depth and match length (member ``lookup``), so how deep it is taken is learnt.
 
-Static shapes and a fixed number of ops (~35; one comparison block per ``2**24 / (B x max_match)``
-candidate positions, one block at the defaults): every candidate position's matched length comes
-from one ``[B, positions, max_match]`` comparison and a cumulative product instead of one pass per
-match length (137 ops at ``max_match`` 8). It runs inside the graft step, on the device, on the
-history that the previous round's bookkeeping appended to.
+Static shapes and a fixed number of ops (~36; one comparison block per ``2**24 / (B x max_match)``
+candidate positions, one block at the defaults): the window is read newest first, so every
+candidate position's matched length comes from one ``[B, positions, max_match]`` comparison of a
+strided view (no copy of it) and a cumulative product instead of one pass per match length. It runs
+inside the graft step, on the device, on the history that the previous round's bookkeeping
+appended to.
 """
 
 from __future__ import annotations
@@ -51,20 +52,18 @@ def lookup_propose(hist: torch.Tensor, count: torch.Tensor, max_match: int, dept
     b, length = hist.shape
     dev = hist.device
     end = length - 1
-    start = (length - count.to(torch.int64))[:, None, None]                      # first valid index
-    back = torch.arange(max_match, device=dev)
-    padded = torch.cat([hist.new_full((b, max_match - 1), -1), hist], 1)
+    valid = torch.arange(length, device=dev) >= (length - count.to(torch.int64))[:, None]
+    # newest first: back[:, k + c] = hist[end - k - c], invalid positions -1 (the -1 pad covers k + c > end)
+    back = torch.cat([torch.where(valid, hist, -1).flip(1), hist.new_full((b, max_match - 1), -1)], 1)
+    win = back.unfold(1, max_match, 1)                     # [B, L, M]: row k = hist[end - k - c], c = 0..M-1
+    tail = torch.where(win[:, :1] < 0, -2, win[:, :1])     # the root's tail (k = 0); invalid matches nothing
     runs, step = [], _chunk(b, end, max_match)
-    for lo in range(0, end, step):                                                 # static: shapes only
-        hi = min(end, lo + step)
-        j = torch.arange(lo, hi, device=dev)[None, :, None]
-        win = padded[:, lo:hi + max_match - 1].unfold(1, max_match, 1).flip(2)  # [B, hi-lo, M]: hist[j - r]
-        tail = padded[:, end:].flip(1)[:, None, :]                              # [B, 1, M]: hist[end - r]
-        eq = (win == tail) & (j - back >= start)
-        runs.append(torch.cumprod(eq.to(torch.uint8), dim=2, dtype=torch.uint8).sum(dim=2))  # [B, hi-lo]
-    run = torch.cat(runs, 1) if len(runs) > 1 else runs[0]                     # matched length ending at j
+    for lo in range(1, length, step):                                              # static: shapes only
+        eq = win[:, lo:lo + step] == tail                  # the run of equal columns from c = 0 is the
+        runs.append(torch.cumprod(eq.to(torch.uint8), dim=2, dtype=torch.uint8).sum(dim=2))  # length matched
+    run = torch.cat(runs, 1) if len(runs) > 1 else runs[0]                        # [B, L-1]: ending at end - k
     best_m = torch.minimum(run.amax(dim=1), count.to(torch.int64).clamp(min=0))  # longest usable tail
-    j = torch.arange(end, device=dev)[None, :]
+    j = end - torch.arange(1, length, device=dev)[None, :]                          # the end of row k
     best_j = torch.where((run >= best_m[:, None]) & (best_m[:, None] > 0), j, -1).amax(dim=1)  # its latest end
     period = (end - best_j).clamp(min=1)[:, None]
     t = torch.arange(depth, device=dev)[None, :]
