@@ -203,8 +203,11 @@ def ancestor_mask(parents: torch.Tensor, jumps: Optional[list[torch.Tensor]] = N
     mask = (ar[None, :, None] == ar[None, None, :]) | (p[:, :, None] == ar[None, None, :])
     mask[:, :, n].fill_(False)
     mask[:, n, :].fill_(False)
-    for anc in jumps[1:]:
-        mask |= mask.gather(1, anc[:, :, None].expand(b, n + 1, n + 1))
+    if len(jumps) > 1:   # whole rows by flat row id (a row gather, not an element-wise [B, N+1, N+1] one)
+        rows = torch.stack(jumps[1:]) + torch.arange(0, b * (n + 1), n + 1, device=parents.device)[:, None]
+        flat = mask.view(b * (n + 1), n + 1)
+        for anc in rows:
+            flat |= flat.index_select(0, anc.reshape(-1))
     return mask[:, :n, :n]
 
 
@@ -245,14 +248,17 @@ def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(first_child int64[B, N], next_sibling int64[B, N])``, -1 where none.
     """
     b, n = parents.shape
-    ar = torch.arange(n, device=parents.device)
-    big = torch.full((), n, dtype=torch.int64, device=parents.device)
-    is_child = parents[:, None, :] == ar[None, :, None]                # [B, p, i]
-    first = torch.where(is_child, ar[None, None, :], big).amin(dim=2)
-    same = (parents[:, :, None] == parents[:, None, :]) & (ar[None, None, :] > ar[None, :, None])
-    nxt = torch.where(same, ar[None, None, :], big).amin(dim=2)
-    nxt[:, 0].fill_(n)  # the root has no siblings
-    return torch.where(first == n, -1, first), torch.where(nxt == n, -1, nxt)
+    dev = parents.device
+    ar = torch.arange(n, device=dev).expand(b, n)
+    first = torch.full((b, n + 1), n, dtype=torch.int64, device=dev).scatter_reduce_(
+        1, torch.where(parents >= 0, parents, n), ar, reduce="amin", include_self=True)[:, :n]
+    # siblings are neighbours when the nodes are sorted by parent (stable: by index within one parent)
+    order = torch.argsort(parents, dim=1, stable=True)
+    by_parent = parents.gather(1, order)
+    after = torch.where(by_parent[:, 1:] == by_parent[:, :-1], order[:, 1:], -1)
+    nxt = torch.empty_like(order).scatter_(1, order, torch.cat([after, after.new_full((b, 1), -1)], 1))
+    nxt[:, 0].fill_(-1)  # the root has no siblings
+    return torch.where(first == n, -1, first), nxt
 
 
 def parents_from_mask(mask: torch.Tensor) -> torch.Tensor:
