@@ -246,10 +246,10 @@ def merge_select_reference(tokens: torch.Tensor, parents: torch.Tensor, key: tor
     retrieved_best = src != SOURCE_DRAFT
     # every member's bin, per member source, on its canonical node
     slot = canon * NUM_MEMBERS + member.clamp(0, NUM_MEMBERS - 1)
-    mb = torch.full((b, u * NUM_MEMBERS), -1, dtype=torch.int64, device=dev).scatter_reduce(
-        1, slot, torch.where(valid & (bins >= 0), bins, -1), reduce="amax", include_self=True)
+    mb = torch.full((b, u * NUM_MEMBERS), -1, dtype=torch.int64, device=dev).scatter_reduce_(
+        1, slot, torch.where(valid & (bins >= 0), bins, -1), reduce="amax", include_self=True
+    ).view(b, u, NUM_MEMBERS)
     if agree_table is not None:   # draft + retrieval on one node: its own bin, credited instead of the draft's
-        mb = mb.view(b, u, NUM_MEMBERS)
         drafted = mb[:, :, SOURCE_DRAFT]
         retrieved = (mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE] >= 0).any(dim=2)   # any member but draft / agree
         agree = (drafted >= 0) & retrieved
@@ -259,10 +259,9 @@ def merge_select_reference(tokens: torch.Tensor, parents: torch.Tensor, key: tor
         agree_est = torch.where(agree, agree_table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
         gest = torch.where(agree, torch.maximum(gest, agree_est), gest)
         gkey = torch.where(agree & (gkey < math.inf), torch.maximum(gkey, agree_est), gkey)
-        mb = torch.stack([torch.where(agree, -1, drafted), *mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE].unbind(2),
-                          agree_bin], dim=2)
+        drafted.copy_(torch.where(agree, -1, drafted))
+        mb[:, :, SOURCE_AGREE].copy_(agree_bin)
         src = torch.where(agree, SOURCE_AGREE, src)
-        mb = mb.reshape(b, u * NUM_MEMBERS)
 
     unique = valid & (canon == ar)
     cpar = canon.gather(1, parents.clamp(min=0))
@@ -311,15 +310,17 @@ def merge_select_reference(tokens: torch.Tensor, parents: torch.Tensor, key: tor
     npar = torch.where(ar == 0, -1, newidx.gather(1, cpar.clamp(min=0)))
 
     def put(values: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((b, num_nodes + 1) + values.shape[2:], fill, dtype=values.dtype, device=dev)
-        idx = dest.view(b, u, *([1] * (values.dim() - 2))).expand_as(values)
-        return out.scatter_(1, idx, values)[:, :num_nodes]
+        out = torch.full((b, num_nodes + 1), fill, dtype=values.dtype, device=dev)
+        return out.scatter_(1, dest, values)[:, :num_nodes]
 
     out_tok = put(tokens, 0)
     out_par = put(npar, 0)
     out_logp = put(torch.log(gest.clamp(min=0.0)), -math.inf)
     out_src = put(src, SOURCE_PADDING)
-    out_bins = put(mb.view(b, u, NUM_MEMBERS), -1)
+    # the bins by whole rows (a [B, U, 7] scatter with an expanded index is slow on CPU)
+    rows = (dest + torch.arange(0, b * (num_nodes + 1), num_nodes + 1, device=dev)[:, None]).reshape(-1)
+    out_bins = torch.full((b * (num_nodes + 1), NUM_MEMBERS), -1, dtype=torch.int64, device=dev).index_copy_(
+        0, rows, mb.reshape(b * u, NUM_MEMBERS)).view(b, num_nodes + 1, NUM_MEMBERS)[:, :num_nodes]
 
     j = torch.arange(num_nodes, device=dev)[None, :]
     is_pad = j >= count
