@@ -249,6 +249,7 @@ def sibling_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     b, n = parents.shape
     dev = parents.device
+    parents = parents.to(torch.int64)   # scatter indices (a no-op for int64)
     ar = torch.arange(n, device=dev).expand(b, n)
     first = torch.full((b, n + 1), n, dtype=torch.int64, device=dev).scatter_reduce_(
         1, torch.where(parents >= 0, parents, n), ar, reduce="amin", include_self=True)[:, :n]
