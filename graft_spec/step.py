@@ -41,7 +41,7 @@ from .gate import kth_best
 from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
-from .kernels.draft_part import draft_part
+from .kernels.draft_part import dense_draft_part, dense_links, draft_part
 from .kernels.host_part import reanchor_arrays
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
@@ -51,7 +51,7 @@ from .retrieval.successor import SuccessorTable
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
-__all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "tree_draft_candidates", "StepOutput",
+__all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "dense_logq", "tree_draft_candidates", "StepOutput",
            "GraftStep", "reanchor", "tree_layout"]
 
 
@@ -90,27 +90,22 @@ def dense_draft_candidates(scores: torch.Tensor, tokens: torch.Tensor, parent_li
     Raises:
         ValueError: ``parent_list`` narrower than the layout needs (``(S - 1) // topk + 1`` columns).
     """
-    b, s = scores.shape
-    if 0 < parent_list.shape[1] < (s - 1) // topk + 1:
-        raise ValueError(f"dense_draft_candidates: parent_list has {parent_list.shape[1]} columns, the layout of "
-                         f"S={s}, topk={topk} needs {(s - 1) // topk + 1}")
-    g = torch.arange(s, device=scores.device)
-    if parent_list.shape[1] > 0:
-        parents = parent_list.to(torch.int64).gather(1, (g // topk).expand(b, s))   # tb = g // topk < width
-        parents[:, :topk].fill_(-1)                                                  # tb == 0: the root's
-    else:
-        parents = torch.full((b, s), -1, dtype=torch.int64, device=scores.device)
-    # depth 1 for g < topk, else 2 + (g - topk) // topk**2, in one division
-    depth = ((g + (2 * topk * topk - topk)) // (topk * topk)).expand(b, s)
-    logq = torch.nan_to_num(torch.log(scores.float().clamp(min=0)), nan=-math.inf)
-    return DraftCandidates(tokens.to(torch.int64), parents, logq, depth)
+    parents, depth = dense_links(parent_list, topk, scores.shape[1])
+    return DraftCandidates(tokens.to(torch.int64), parents, dense_logq(scores), depth)
+
+
+def dense_logq(scores: torch.Tensor) -> torch.Tensor:
+    """``float32[B, S]`` log of the dense tree's cumulative draft probabilities (``float[B, S]``;
+    negative and NaN scores give -inf: not drafted)."""
+    return torch.nan_to_num(torch.log(scores.float().clamp(min=0)), nan=-math.inf)
 
 
 @dataclass
 class DenseDraft:
     """The draft's dense EAGLE tree as SGLang's draft loop leaves it (the layout of
-    `dense_draft_candidates`), handed to the step unconverted: `GraftStep` converts it first thing,
-    so a captured step (graphs.py) reads these buffers itself and the conversion replays with it.
+    `dense_draft_candidates`), handed to the step unconverted: `GraftStep` reranks it with the
+    dense draft op (its links derived inside the kernel, kernels/draft_part.py), so a captured step
+    (graphs.py) reads these buffers itself.
 
     Attributes:
         scores: ``float32[B, S]`` cumulative draft probabilities, S = topk + (steps - 1) * topk**2.
@@ -302,14 +297,17 @@ class GraftStep:
         self.sources = device_sources(config, calibrator, successor, outputs)
 
     # ------------------------------------------------------------------ parts
-    def _draft_part(self, draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor,
+    def _draft_part(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, sampled: torch.Tensor,
                     est_table: torch.Tensor) -> Candidates:
         """The rooted block: the root + the N - 1 best draft candidates (N = the pool), ``[B, N]``."""
         lay = self.calibrator.layout
-        tokens, parents, est_n, valid_n, bins_n, logq_n = draft_part(
-            draft.tokens, draft.parents, draft.logq, draft.depth, roots, sampled, est_table,
-            self.calibrator.logp_edges, self.pool, lay.draft_depth, lay.num_q, lay.per_mode,
-            self.config.draft_nodes, self.stages is not None)
+        rest = (roots, sampled, est_table, self.calibrator.logp_edges, self.pool, lay.draft_depth, lay.num_q,
+                lay.per_mode, self.config.draft_nodes, self.stages is not None)
+        if isinstance(draft, DenseDraft):
+            out = dense_draft_part(draft.tokens, draft.parent_list, dense_logq(draft.scores), draft.topk, *rest)
+        else:
+            out = draft_part(draft.tokens, draft.parents, draft.logq, draft.depth, *rest)
+        tokens, parents, est_n, valid_n, bins_n, logq_n = out
         member = torch.full_like(tokens, SOURCE_DRAFT)
         if self.stages is None:
             return Candidates(tokens, parents, est_n, valid_n, bins_n, member)
@@ -358,7 +356,7 @@ class GraftStep:
         """Build one round's hybrid tree and its verify layout.
 
         Args:
-            draft: `DraftCandidates` ``[B, S]``, or a `DenseDraft` (converted here).
+            draft: `DraftCandidates` ``[B, S]``, or a `DenseDraft` (reranked by the dense draft op).
             roots: ``int64[B]`` root tokens (the previous round's bonus tokens).
             host: `HostCandidates` ``[B, M]`` (M may be 0; its ``group`` picks each row's
                 successor-table isolation group; rows whose ``speculate`` is False get a tree of
@@ -376,8 +374,6 @@ class GraftStep:
             `StepOutput` of width ``num_nodes`` (default ``config.num_draft_tokens``), with the gain
             curve over the full pool.
         """
-        if isinstance(draft, DenseDraft):
-            draft = draft.candidates()
         if retrieved is None:
             retrieved = self.retrieve(roots, host, hist, count, seq_lens, sampled, est_table, factors)
         cands = Candidates.stack(self._draft_part(draft, roots, sampled, est_table), retrieved,

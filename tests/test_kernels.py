@@ -153,3 +153,36 @@ def test_verify_mask_op_is_one_dispatch_and_the_reference_on_cpu():
         assert c.ops == ops if ops is not None else c.ops > 1
     with pytest.raises(ValueError, match="unknown tree mask mode"):
         write_verify_mask(torch.zeros(4, dtype=torch.bool), mask, seq, 7, False)
+
+
+def test_dense_draft_part_is_one_op_and_the_converted_draft_on_cpu():
+    """The dense draft op: one dispatch inside `fused_ops_everywhere`; its reference equals
+    `draft_part_reference` of the converted draft (`dense_draft_candidates`), and a planner built
+    from the `DenseDraft` gives the tree of the converted one."""
+    from graft_spec.config import GraftConfig
+    from graft_spec.kernels import fused_ops_everywhere
+    from graft_spec.kernels.draft_part import dense_draft_part, draft_part_reference
+    from graft_spec.pipeline import GraftPlanner
+    from graft_spec.step import dense_draft_candidates, dense_logq
+    from sglang_patch.bench.step import OpCounter
+    from test_core_step import SHAPES, dense_inputs
+
+    topk, steps = SHAPES[24]
+    planner = GraftPlanner(GraftConfig(num_draft_tokens=24, topk=topk, depth=steps), 500, max_slots=3)
+    planner.ensure_slots(3)
+    inputs = dense_inputs(3, topk, steps, 500, 16, "cpu", torch.Generator().manual_seed(3), unconverted=True)
+    dense, roots, sampled = inputs[0], inputs[1], inputs[-1]
+    cal, lay = planner.calibrator, planner.calibrator.layout
+    rest = (roots, sampled, cal.table, cal.logp_edges, 24, lay.draft_depth, lay.num_q, lay.per_mode, True, False)
+    logq = dense_logq(dense.scores)
+    with fused_ops_everywhere(), OpCounter() as c:
+        got = dense_draft_part(dense.tokens, dense.parent_list, logq, topk, *rest)
+    assert c.ops == 1 and c.names == {"dense_draft_part": 1}
+    conv = dense_draft_candidates(dense.scores, dense.tokens, dense.parent_list, topk, steps)
+    want = draft_part_reference(conv.tokens, conv.parents, conv.logq, conv.depth, *rest)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    x, y = planner.build(*inputs), planner.build(conv, *inputs[1:])
+    for a, b in [(x.tree.tokens, y.tree.tokens), (x.tree.parents, y.tree.parents), (x.member_bins, y.member_bins)]:
+        assert torch.equal(a, b)
+

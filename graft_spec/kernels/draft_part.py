@@ -11,6 +11,10 @@ counting the candidates with a larger `tree.order_key` (tiles of the row against
 compaction by a cumulative sum. Minima, counts and gathers are exact, so the two agree bit for
 bit. The op ``graft::draft_part`` has the reference as its CPU implementation and the kernel as its
 CUDA implementation; `draft_part` dispatches like `tree_layout` (layout.py).
+
+``graft::dense_draft_part`` is the same rerank of SGLang's dense EAGLE tree (`dense_links`: the
+parents from ``parent_list`` and the depths from the index, derived inside the kernel instead of
+by separate ops); only the log-probabilities come in converted (``torch.log`` in both paths).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ if triton is not None:
         mono = tl.where(bits < 0, -2147483648 - bits, bits)
         return mono * 1048576 + (1048575 - lanes.to(tl.int64))
 
-__all__ = ["draft_part", "draft_part_reference", "draft_part_triton"]
+__all__ = ["draft_part", "draft_part_reference", "draft_part_triton", "dense_links", "dense_draft_part",
+           "dense_draft_part_reference", "dense_draft_part_triton"]
 
 
 def draft_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
@@ -94,22 +99,77 @@ def draft_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logq: torc
             pick(est, 1.0), pick(drafted, True), pick(torch.where(drafted, bins, -1), -1), pick(logq.float(), 0.0))
 
 
+def _check_dense(parent_list: torch.Tensor, topk: int, s: int) -> None:
+    if topk < 1:
+        raise ValueError(f"dense draft: topk={topk} must be >= 1")
+    if 0 < parent_list.shape[1] < (s - 1) // topk + 1:
+        raise ValueError(f"dense draft: parent_list has {parent_list.shape[1]} columns, the layout of "
+                         f"S={s}, topk={topk} needs {(s - 1) // topk + 1}")
+
+
+def dense_links(parent_list: torch.Tensor, topk: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parents and depths of SGLang's dense EAGLE tree of ``S`` candidates (``select_top_k_tokens``
+    layout, spec_utils.py:474; parent rule of eagle_utils.py:100 / eagle.cuh: candidate g has
+    tb = g // topk, tb == 0 -> the root, else the candidate ``parent_list[tb]``).
+
+    Args:
+        parent_list: ``int[B, W]``, W >= (S - 1) // topk + 1 (or 0 columns: every candidate under
+            the root); topk: the draft's top-k; s: S.
+    Returns:
+        ``(parents int64[B, S] (-1 = child of the root), depth int64[B, S])``: depth 1 for g < topk,
+        else 2 + (g - topk) // topk**2 (one division).
+    Raises:
+        ValueError: ``parent_list`` narrower than the layout needs.
+    """
+    _check_dense(parent_list, topk, s)
+    b = parent_list.shape[0]
+    g = torch.arange(s, device=parent_list.device)
+    if parent_list.shape[1] > 0:
+        parents = parent_list.to(torch.int64).gather(1, (g // topk).expand(b, s))   # tb = g // topk < W
+        parents[:, :topk].fill_(-1)                                                  # tb == 0: the root's
+    else:
+        parents = torch.full((b, s), -1, dtype=torch.int64, device=parent_list.device)
+    depth = ((g + (2 * topk * topk - topk)) // (topk * topk)).expand(b, s)
+    return parents, depth
+
+
+def dense_draft_part_reference(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch.Tensor, topk: int,
+                               roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
+                               edges: torch.Tensor, pool: int, draft_depth: int, num_q: int, per_mode: int,
+                               draft_nodes: bool, by_logq: bool) -> tuple[torch.Tensor, ...]:
+    """`draft_part_reference` of a dense EAGLE tree: ``tokens`` / ``logq`` ``[B, S]``, the links from
+    ``parent_list`` ``int[B, W]`` and ``topk`` (`dense_links`); the other arguments and the results
+    as there."""
+    parents, depth = dense_links(parent_list, topk, tokens.shape[1])
+    return draft_part_reference(tokens.to(torch.int64), parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth,
+                                num_q, per_mode, draft_nodes, by_logq)
+
+
 if triton is not None:
     @triton.jit
     def _draft_kernel(tok_ptr, par_ptr, logq_ptr, depth_ptr, roots_ptr, sampled_ptr, table_ptr, edges_ptr,
                       o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch_ptr, iscratch_ptr,
                       S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr, DD: tl.constexpr, NQ: tl.constexpr,
                       PER_MODE: tl.constexpr, DRAFT_NODES: tl.constexpr, BY_LOGQ: tl.constexpr,
-                      ROUNDS: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr):
-        """One request per program; candidates as lanes (``BS`` >= S + 1, lane 0 = the root)."""
+                      ROUNDS: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr,
+                      TOPK: tl.constexpr, W: tl.constexpr):
+        """One request per program; candidates as lanes (``BS`` >= S + 1, lane 0 = the root).
+        ``TOPK`` > 0: a dense tree, ``par_ptr`` its ``parent_list`` ``[B, W]`` (`dense_links`), no depths."""
         b = tl.program_id(0)
         lane = tl.arange(0, BS)
         c = lane - 1                                        # candidate index of lane (root: -1)
         live = (lane >= 1) & (lane <= S)
         cs = tl.where(live, c, 0)
         lq = tl.load(logq_ptr + b * S + cs, mask=live, other=float("-inf"))
-        dep = tl.load(depth_ptr + b * S + cs, mask=live, other=1)
-        par = tl.load(par_ptr + b * S + cs, mask=live, other=-1)
+        if TOPK > 0:
+            dep = ((cs + (2 * TOPK * TOPK - TOPK)) // (TOPK * TOPK)).to(tl.int64)
+            if W > 0:
+                par = tl.load(par_ptr + b * W + cs // TOPK, mask=live & (cs >= TOPK), other=-1).to(tl.int64)
+            else:
+                par = tl.full([BS], -1, dtype=tl.int64)
+        else:
+            dep = tl.load(depth_ptr + b * S + cs, mask=live, other=1)
+            par = tl.load(par_ptr + b * S + cs, mask=live, other=-1)
         drafted = (lq == lq) & (lq != float("inf")) & (lq != float("-inf")) & (lq > -60.0) & live
         if not DRAFT_NODES:
             drafted = drafted & (lane < 0)
@@ -179,6 +239,28 @@ def draft_part_triton(tokens, parents, logq, depth, roots, sampled, est_table, e
     Raises:
         RuntimeError: Triton is not installed.
     """
+    return _launch(tokens, parents, logq, depth, 0, roots, sampled, est_table, edges, pool, draft_depth, num_q,
+                   per_mode, draft_nodes, by_logq)
+
+
+def dense_draft_part_triton(tokens, parent_list, logq, topk: int, roots, sampled, est_table, edges, pool: int,
+                            draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
+                            ) -> tuple[torch.Tensor, ...]:
+    """`dense_draft_part_reference` as one Triton launch (the links derived in the kernel). Same
+    arguments and results.
+
+    Raises:
+        RuntimeError: Triton is not installed. ValueError: as `dense_links`.
+    """
+    _check_dense(parent_list, topk, tokens.shape[1])
+    return _launch(tokens, parent_list, logq, None, topk, roots, sampled, est_table, edges, pool, draft_depth,
+                   num_q, per_mode, draft_nodes, by_logq)
+
+
+def _launch(tokens, links, logq, depth, topk: int, roots, sampled, est_table, edges, pool: int, draft_depth: int,
+            num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool) -> tuple[torch.Tensor, ...]:
+    """One `_draft_kernel` launch: ``links`` = per-candidate parents with ``depth`` (``topk`` 0), or a
+    dense tree's ``parent_list`` (``topk`` > 0, ``depth`` None)."""
     if triton is None:
         raise RuntimeError("graft draft_part: Triton is not installed")
     b, s = tokens.shape
@@ -192,15 +274,17 @@ def draft_part_triton(tokens, parents, logq, depth, roots, sampled, est_table, e
     o_valid = torch.empty(b, k + 1, dtype=torch.bool, device=dev)
     scratch = torch.empty(b, bs + 1, dtype=torch.float32, device=dev)
     iscratch = torch.empty(b, bs + 1, dtype=torch.int64, device=dev)
+    links = links.contiguous().to(torch.int64)
+    depth = links if depth is None else depth.contiguous().to(torch.int64)   # unread in the dense form
     if b > 0:
         # parents < own index: a path is at most S + 1 long; the sentinel is BS
-        _draft_kernel[(b,)](tokens.contiguous().to(torch.int64), parents.contiguous().to(torch.int64),
-                            logq.contiguous().float(), depth.contiguous().to(torch.int64),
+        _draft_kernel[(b,)](tokens.contiguous().to(torch.int64), links, logq.contiguous().float(), depth,
                             roots.contiguous(), sampled.contiguous(), est_table,
                             edges.contiguous(), o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch, iscratch,
                             S=s, K=k, NE=edges.numel(), DD=draft_depth, NQ=num_q, PER_MODE=per_mode,
                             DRAFT_NODES=bool(draft_nodes), BY_LOGQ=bool(by_logq), ROUNDS=pointer_rounds(s + 2),
-                            BS=bs, BJ=16, BE=triton.next_power_of_2(max(edges.numel(), 2)))
+                            BS=bs, BJ=16, BE=triton.next_power_of_2(max(edges.numel(), 2)),
+                            TOPK=int(topk), W=links.shape[1] if topk else 0)
     return o_tok, o_par, o_est, o_valid, o_bins, o_logq
 
 
@@ -213,14 +297,19 @@ def _draft_op(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, d
                                 num_q, per_mode, draft_nodes, by_logq)
 
 
-@_draft_op.register_fake
-def _(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth, num_q, per_mode,
-      draft_nodes, by_logq):
+def _fake_outputs(tokens: torch.Tensor, pool: int) -> tuple[torch.Tensor, ...]:
+    """The results' shapes and dtypes (the ops' fake implementations)."""
     b, s = tokens.shape
     w = 1 + min(pool - 1, s)
     i = tokens.new_empty((b, w), dtype=torch.int64)
     f = tokens.new_empty((b, w), dtype=torch.float32)
     return i, i.clone(), f, tokens.new_empty((b, w), dtype=torch.bool), i.clone(), f.clone()
+
+
+@_draft_op.register_fake
+def _(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth, num_q, per_mode,
+      draft_nodes, by_logq):
+    return _fake_outputs(tokens, pool)
 
 
 if triton is not None:
@@ -234,3 +323,28 @@ def draft_part(*args) -> tuple[torch.Tensor, ...]:
         return torch.ops.graft.draft_part(*args)
     return draft_part_reference(*args)
 
+
+@torch.library.custom_op("graft::dense_draft_part", mutates_args=())
+def _dense_draft_op(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch.Tensor, topk: int,
+                    roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, edges: torch.Tensor,
+                    pool: int, draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return dense_draft_part_reference(tokens, parent_list, logq, topk, roots, sampled, est_table, edges, pool,
+                                      draft_depth, num_q, per_mode, draft_nodes, by_logq)
+
+
+@_dense_draft_op.register_fake
+def _(tokens, parent_list, logq, topk, roots, sampled, est_table, edges, pool, draft_depth, num_q, per_mode,
+      draft_nodes, by_logq):
+    return _fake_outputs(tokens, pool)
+
+
+if triton is not None:
+    _dense_draft_op.register_kernel("cuda")(dense_draft_part_triton)
+
+
+def dense_draft_part(*args) -> tuple[torch.Tensor, ...]:
+    """`dense_draft_part_reference`'s contract, dispatched as `draft_part`."""
+    if fused_kernels_for(args[0]):
+        return torch.ops.graft.dense_draft_part(*args)
+    return dense_draft_part_reference(*args)

@@ -6,8 +6,8 @@ into a verify input, in the same process and run:
 * ``eagle``: SGLang 0.5.23's ``organize_draft_results`` + ``build_tree_kernel_efficient``
   (``eagle_utils.py:100,138``), the tree kernel counted as one op, as on a GPU where it is one JIT
   kernel (on CPU the plugin's torch replacement runs in its place, uncounted);
-* ``graft``: ``GraftPlanner.build`` (graft_spec/step.py) with the default config (no checkpoints):
-  calibrated rerank, successor expansion, re-anchoring of the host candidate buffer, merge /
+* ``graft``: ``GraftPlanner.build`` (graft_spec/step.py) of the dense tree as the SGLang worker hands
+  it over (`DenseDraft`) with the default config (no checkpoints): calibrated rerank, successor expansion, re-anchoring of the host candidate buffer, merge /
   dedupe / select, layout.
 * ``graft_fused``: the same build with every fused kernel of graft_spec/kernels/ called as its
   custom op (one op each; on CPU the op's implementation is the torch reference, so its time here
@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import (GraftPlanner, dense_draft_candidates, eagle_step, fused_ops_everywhere,
+from graft_spec.pipeline import (DenseDraft, GraftPlanner, dense_draft_candidates, eagle_step, fused_ops_everywhere,
                                  on_path_from_accept_index)
 
 #: ops that only re-describe memory (no kernel on a GPU)
@@ -228,9 +228,8 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
         tokens = torch.cat(tl, 1)
         plist = torch.cat([x.reshape(batch, -1) for x in pl[:-1]], 1)
         # timed passes run without the counter (its Python dispatch hook costs more than the ops)
-        def graft_build():
-            return planner.build(dense_draft_candidates(scores, tokens, plist, topk, depth), roots, host, slots,
-                                 seq, sampled)
+        def graft_build():   # the dense tree as the SGLang worker hands it over
+            return planner.build(DenseDraft(scores, tokens, plist, topk, depth), roots, host, slots, seq, sampled)
 
         t2 = time.perf_counter()
         out = graft_build()
@@ -252,7 +251,7 @@ def bench_shape(batch: int, n: int, rounds: int, vocab: int, inductor: bool, see
         with OpCounter() as ce:
             _eagle_build(sl, tl, pl, roots, seq, n, topk, depth, ce)
         if eager_gate:
-            draft = dense_draft_candidates(scores, tokens, plist, topk, depth)
+            draft = DenseDraft(scores, tokens, plist, topk, depth)
 
             def gated(shared: bool):
                 gate = planner.stop_gate(roots, host, slots, seq, sampled)

@@ -122,6 +122,50 @@ def test_draft_part_kernel_at_batch_64():
     test_draft_part_kernel_equals_reference.hypothesis.inner_test(64, 60, 7, "adversarial", False, True)
 
 
+@settings(max_examples=10, deadline=None)
+@given(b=st.sampled_from([1, 3, 16]), shape=st.sampled_from([(4, 4), (10, 7), (3, 5), (4, 1), (2, 3)]),
+       seed=st.integers(0, 2 ** 31 - 1), mode=st.sampled_from(["dense", "adversarial"]), by_logq=st.booleans(),
+       draft_nodes=st.booleans(), links=st.sampled_from(["exact", "wider", "none"]))
+def test_dense_draft_part_kernel_equals_reference(b, shape, seed, mode, by_logq, draft_nodes, links):
+    """The dense form (links derived in the kernel from ``parent_list`` and ``topk``) against
+    `dense_draft_part_reference`: the step's shapes (4 x 4, 10 x 7) and others, one draft step, a
+    ``parent_list`` as wide as the layout needs, wider (the sink's extra columns), or empty (steps
+    1); ties, zeros, NaN and negative scores."""
+    from graft_spec.config import GraftConfig
+    from graft_spec.kernels.draft_part import dense_draft_part_reference, dense_draft_part_triton
+    from graft_spec.pipeline import GraftPlanner
+    from graft_spec.step import dense_logq
+
+    topk, steps = shape
+    g = torch.Generator().manual_seed(seed)
+    s = topk + (steps - 1) * topk * topk
+    scores = torch.rand(b, s, generator=g)
+    if mode == "adversarial":
+        scores = (scores * 4).round() / 4                                      # many equal keys, zeros
+        r = torch.rand(b, s, generator=g)
+        scores = torch.where(r < 0.05, float("nan"), torch.where(r > 0.95, -0.5, scores))
+    need = (s - 1) // topk + 1
+    width = {"exact": need, "wider": need + 3, "none": 0}[links if steps > 1 else "none"]
+    parent_list = torch.randint(0, s, (b, width), generator=g)
+    tokens = torch.randint(0, 500, (b, s), generator=g)
+    n = min(24, 1 + s)
+    cal = GraftPlanner(GraftConfig(num_draft_tokens=n, topk=topk, depth=steps), 500).calibrator
+    table = torch.rand(cal.table.shape, generator=g)
+    lay = cal.layout
+    args = (tokens, parent_list, dense_logq(scores), topk, torch.randint(0, 500, (b,), generator=g),
+            torch.rand(b, generator=g) < 0.5, table, cal.logp_edges, n, lay.draft_depth, lay.num_q, lay.per_mode,
+            draft_nodes, by_logq)
+    for name, f, r in zip(("tokens", "parents", "est", "valid", "bins", "logq"), dense_draft_part_triton(*args),
+                          dense_draft_part_reference(*args)):
+        assert f.dtype == r.dtype and f.shape == r.shape, name
+        assert torch.equal(f, r) or (name == "logq" and torch.equal(f.nan_to_num(), r.nan_to_num())), name
+
+
+def test_dense_draft_part_kernel_at_batch_64():
+    test_dense_draft_part_kernel_equals_reference.hypothesis.inner_test(64, (10, 7), 11, "adversarial", False, True,
+                                                                        "wider")
+
+
 @settings(max_examples=12, deadline=None)
 @given(b=st.sampled_from([1, 5, 64]), widths=st.lists(st.integers(1, 130), min_size=1, max_size=4),
        seed=st.integers(0, 2 ** 31 - 1))
