@@ -6,11 +6,11 @@ docs/benchmark.md). SGLang captures its own draft forwards and tree build the sa
 (``cuda_graph_runner``, ``eagle_draft_cuda_graph_runner.py``).
 
 `StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
-round copies its inputs (the draft as SGLang's dense tree, `DenseDraft`, whose conversion to
-candidates is part of the graph; the host proposals as the one block they were uploaded in) into the first ``B`` rows of the smallest bucket that holds the batch
-(padding rows keep earlier valid values, their trees are dropped), replays, and clones the first
-``B`` rows of the outputs (graphs share one memory pool, so a later replay may reuse an earlier
-one's output memory). The planner's tables (calibration counts, successor table, token history,
+round copies its inputs (the draft as SGLang's dense tree, `DenseDraft`, which the step reads as
+it is; the host proposals as the one block they were uploaded in) into the first ``B`` rows of the
+smallest bucket that holds the batch (padding rows keep earlier valid values, their trees are
+dropped), replays, and clones the first ``B`` rows of the outputs (graphs share one memory pool, so
+a later replay may reuse an earlier one's output memory). The planner's tables (calibration counts, successor table, token history,
 per-request correction windows) are read inside the graph at their fixed addresses: they are updated
 in place by `GraftPlanner.observe` and must not be reallocated after `capture` (size the per-slot
 state first, `GraftPlanner.ensure_slots`).

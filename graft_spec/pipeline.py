@@ -369,8 +369,8 @@ class GraftPlanner:
         """The graft step (device, static shapes, no host read).
 
         Args:
-            draft: `DraftCandidates` ``[B, S]``, or the dense EAGLE tree as a `DenseDraft` (converted
-                inside the step).
+            draft: `DraftCandidates` ``[B, S]``, or the dense EAGLE tree as a `DenseDraft` (read
+                as it is by the step's dense draft rerank).
             roots: ``int64[B]``; slot_ids: ``int64[B]`` engine slots (token history rows);
             seq_lens: ``int64[B]`` committed tokens before the root; sampled: ``bool[B]``.
             host: `host_candidates` of the same rows.

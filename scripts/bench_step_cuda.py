@@ -148,7 +148,7 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
                 "committed": torch.randint(0, vocab, (b, n), generator=gen).to(dev)}, host_s
 
     def dense(x):
-        """The draft as the server hands it over: SGLang's dense tree, converted inside the step."""
+        """The draft as the server hands it over: SGLang's dense tree, read as it is by the step."""
         return DenseDraft(x["scores"], x["tokens"], x["plist"], topk, depth)
 
     def build(x, sampled):

@@ -217,7 +217,7 @@ class GraftDraftWorker(EagleDraftWorker):
         if self._depth_limit is not None:  # nodes deeper than the stop depth were never drafted
             s_keep = topk + (self._depth_limit - 1) * topk * topk
             scores = torch.cat([scores[:, :s_keep], torch.zeros_like(scores[:, s_keep:])], dim=1)
-        draft = DenseDraft(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)   # converted in the step
+        draft = DenseDraft(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)   # read as it is by the step
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         self.graft._slots()
         retrieved = self._gate.retrieved if gated else None   # priced by the gate before drafting
