@@ -306,22 +306,10 @@ def _fake_outputs(tokens: torch.Tensor, pool: int) -> tuple[torch.Tensor, ...]:
     return i, i.clone(), f, tokens.new_empty((b, w), dtype=torch.bool), i.clone(), f.clone()
 
 
-@_draft_op.register_fake
-def _(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth, num_q, per_mode,
-      draft_nodes, by_logq):
-    return _fake_outputs(tokens, pool)
-
-
-if triton is not None:
-    _draft_op.register_kernel("cuda")(draft_part_triton)
-
-
 def draft_part(*args) -> tuple[torch.Tensor, ...]:
     """`draft_part_reference`'s contract: one fused launch on a CUDA device (or inside
     `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(args[0]):
-        return torch.ops.graft.draft_part(*args)
-    return draft_part_reference(*args)
+    return _run(torch.ops.graft.draft_part, draft_part_reference, args)
 
 
 @torch.library.custom_op("graft::dense_draft_part", mutates_args=())
@@ -333,18 +321,16 @@ def _dense_draft_op(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch
                                       draft_depth, num_q, per_mode, draft_nodes, by_logq)
 
 
-@_dense_draft_op.register_fake
-def _(tokens, parent_list, logq, topk, roots, sampled, est_table, edges, pool, draft_depth, num_q, per_mode,
-      draft_nodes, by_logq):
-    return _fake_outputs(tokens, pool)
-
-
-if triton is not None:
-    _dense_draft_op.register_kernel("cuda")(dense_draft_part_triton)
+for _op, _kernel in ((_draft_op, draft_part_triton), (_dense_draft_op, dense_draft_part_triton)):
+    _op.register_fake(lambda tokens, *rest: _fake_outputs(tokens, rest[7]))      # pool: argument 8 of both
+    if triton is not None:
+        _op.register_kernel("cuda")(_kernel)
 
 
 def dense_draft_part(*args) -> tuple[torch.Tensor, ...]:
     """`dense_draft_part_reference`'s contract, dispatched as `draft_part`."""
-    if fused_kernels_for(args[0]):
-        return torch.ops.graft.dense_draft_part(*args)
-    return dense_draft_part_reference(*args)
+    return _run(torch.ops.graft.dense_draft_part, dense_draft_part_reference, args)
+
+
+def _run(op, reference, args: tuple) -> tuple[torch.Tensor, ...]:
+    return op(*args) if fused_kernels_for(args[0]) else reference(*args)
