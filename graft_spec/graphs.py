@@ -10,10 +10,10 @@ round copies its inputs (the draft as SGLang's dense tree, `DenseDraft`, which t
 it is; the host proposals as the one block they were uploaded in) into the first ``B`` rows of the
 smallest bucket that holds the batch (padding rows keep earlier valid values, their trees are
 dropped), replays, and clones the first ``B`` rows of the outputs (graphs share one memory pool, so
-a later replay may reuse an earlier one's output memory). The planner's tables (calibration counts, successor table, token history,
-per-request correction windows) are read inside the graph at their fixed addresses: they are updated
-in place by `GraftPlanner.observe` and must not be reallocated after `capture` (size the per-slot
-state first, `GraftPlanner.ensure_slots`).
+a later replay may reuse an earlier one's output memory). The planner's tables (calibration counts,
+successor table, token history, per-request correction windows) are read inside the graph at their
+fixed addresses: they are updated in place by `GraftPlanner.observe` and must not be reallocated
+after `capture` (size the per-slot state first, `GraftPlanner.ensure_slots`).
 
 Batches larger than the largest bucket, devices other than CUDA, widths not captured and drafts
 given as `DraftCandidates` run the eager `GraftPlanner.build`: same function, same result.
@@ -114,7 +114,8 @@ class StepGraphs:
         host_block = z(bucket, 5, m + 1)
         HostCandidates.empty(bucket, m, dev).pack_into(host_block)
         slots = torch.arange(bucket, device=dev).clamp(max=self.planner.history.tokens.shape[0] - 1)
-        return _Static(draft, z(bucket), host_block, slots, z(bucket), torch.zeros(bucket, dtype=torch.bool, device=dev))
+        sampled = torch.zeros(bucket, dtype=torch.bool, device=dev)
+        return _Static(draft, z(bucket), host_block, slots, z(bucket), sampled)
 
     def _call(self, st: _Static, width: int) -> StepOutput:
         return self.planner.build(st.draft, st.roots, HostCandidates.unpack(st.host_block), st.slots, st.seq_lens,

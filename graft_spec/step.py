@@ -51,8 +51,8 @@ from .retrieval.successor import SuccessorTable
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
-__all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "dense_logq", "tree_draft_candidates", "StepOutput",
-           "GraftStep", "reanchor", "tree_layout"]
+__all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "dense_logq", "tree_draft_candidates",
+           "StepOutput", "GraftStep", "reanchor", "tree_layout"]
 
 
 @dataclass

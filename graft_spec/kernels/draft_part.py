@@ -141,8 +141,8 @@ def dense_draft_part_reference(tokens: torch.Tensor, parent_list: torch.Tensor, 
     ``parent_list`` ``int[B, W]`` and ``topk`` (`dense_links`); the other arguments and the results
     as there."""
     parents, depth = dense_links(parent_list, topk, tokens.shape[1])
-    return draft_part_reference(tokens.to(torch.int64), parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth,
-                                num_q, per_mode, draft_nodes, by_logq)
+    return draft_part_reference(tokens.to(torch.int64), parents, logq, depth, roots, sampled, est_table, edges, pool,
+                                draft_depth, num_q, per_mode, draft_nodes, by_logq)
 
 
 if triton is not None:

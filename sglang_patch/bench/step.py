@@ -7,8 +7,8 @@ into a verify input, in the same process and run:
   (``eagle_utils.py:100,138``), the tree kernel counted as one op, as on a GPU where it is one JIT
   kernel (on CPU the plugin's torch replacement runs in its place, uncounted);
 * ``graft``: ``GraftPlanner.build`` (graft_spec/step.py) of the dense tree as the SGLang worker hands
-  it over (`DenseDraft`) with the default config (no checkpoints): calibrated rerank, successor expansion, re-anchoring of the host candidate buffer, merge /
-  dedupe / select, layout.
+  it over (`DenseDraft`) with the default config (no checkpoints): calibrated rerank, successor
+  expansion, re-anchoring of the host candidate buffer, merge / dedupe / select, layout.
 * ``graft_fused``: the same build with every fused kernel of graft_spec/kernels/ called as its
   custom op (one op each; on CPU the op's implementation is the torch reference, so its time here
   is the reference's): the launches the GPU path runs. Parts without a fused kernel yet run their
