@@ -121,10 +121,6 @@ class DenseDraft:
     topk: int
     steps: int
 
-    def candidates(self) -> DraftCandidates:
-        """`dense_draft_candidates` of these buffers."""
-        return dense_draft_candidates(self.scores, self.tokens, self.parent_list, self.topk, self.steps)
-
 
 def tree_draft_candidates(tree: DraftTree) -> DraftCandidates:
     """A `DraftTree` (root at 0, ``logp`` = cumulative draft log-prob) as `DraftCandidates`."""

@@ -81,9 +81,8 @@ class HostCandidates:
         if self.packed is not None and self.packed.shape[1:] == block.shape[1:]:
             block[:b].copy_(self.packed)
             return
-        for row, field in enumerate((self.tokens, self.parents, None, self.member, self.match)):
-            if field is not None:
-                block[:b, row, :m].copy_(field)
+        for row, field in ((0, self.tokens), (1, self.parents), (3, self.member), (4, self.match)):
+            block[:b, row, :m].copy_(field)
         block[:b, 2, :m].view(torch.float64).copy_(self.logp)
         for row, field in enumerate((self.anchor_len, self.group, self.speculate)):
             block[:b, row, m].copy_(field)
