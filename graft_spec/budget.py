@@ -110,7 +110,7 @@ class _Timing:
 class _Choice:
     width: int
     batch_size: int
-    reason: str                      # "explore", "best", "opt-out", "schedule"
+    reason: str                      # "explore", "best", "opt-out", "schedule", "fixed", or a plain() reason
     values: Dict[int, float] = field(default_factory=dict)
 
 
@@ -197,6 +197,8 @@ class BatchBudget:
         for rid in rids:
             if rid in self._age:
                 self._age[rid] += 1
+        if not self.config.enabled and any(speculate):   # fixed N (a plain round only for opted-out batches)
+            return self._pick(self.widths[-1], len(rids), "fixed")
         width = self._choose(rids, speculate)
         if width > 1:  # what this decision expects, for the correction (`observe`)
             col, key = self._col[width], (size_bucket(len(rids)), width)
@@ -241,6 +243,11 @@ class BatchBudget:
                 stale = min(near, key=lambda w: self._time(bucket, w).last_round)
                 return self._pick(stale, bs, "explore", values)
         return self._pick(best, bs, "best", values)
+
+    def plain(self, batch_size: int, reason: str) -> int:
+        """Width 1 for a round the engine must run plain whatever the gains (``reason``: e.g. a
+        request that needs the engine's exact decode step); counted like a chosen round."""
+        return self._pick(self.widths[0], batch_size, reason)
 
     def cost(self, bucket: int, width: int, model: Optional[Tuple[float, float]] = None) -> float:
         """Seconds of one round at ``width`` for a batch in ``bucket``: the median of its own

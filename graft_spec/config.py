@@ -118,12 +118,16 @@ class RetrievalConfig(BaseModel):
 
     Isolation: the successor table and the output index are the retrieval state learnt across
     requests (the suffix index and lookup are per request; the corpus is static). With
-    ``isolation: shared`` (default) every request learns from and benefits from all traffic;
-    ``tenant`` gives each tenant (SGLang: the request's ``extra_key``) its own table and output
-    index, up to ``max_tenants`` at once (the least recently used group is reset and reused);
-    ``request`` gives each request its own hashed table (`REQUEST_TABLE_ROWS` rows, pipeline.py) and turns the
-    output index off. Sharing speeds up common text; isolation keeps one tenant's text from
-    changing another's acceptance timing (a known side channel of speculative decoding).
+    ``isolation: tenant`` (default) requests share it only with requests of the same isolation key
+    (SGLang: the pair ``extra_key``, ``cache_salt``, which also partitions its prefix cache; requests
+    with neither share one group, as they share prefixes), up to ``max_tenants`` keys at once: a key
+    keeps its group while its requests run, a new key takes the least recently used idle group (reset
+    first), and when every group is held by running requests a new key's requests get request-private
+    state (nothing learnt across requests reaches them or comes from them). ``shared``: every request
+    learns from and benefits from all traffic (one caller's answers speed up, and so reveal
+    themselves to, every other caller); ``request``: each request its own hashed table
+    (`REQUEST_TABLE_ROWS` rows, pipeline.py) and no output index. What remains between keys is timing
+    only: the batch budget and the calibration are shared statistics (docs/serving.md).
 
     Lookup (device): the last ``history_len`` committed tokens of every request stay on the
     device; the context's tail (up to `LOOKUP_MAX_MATCH` tokens, retrieval/lookup.py) is matched within them and the
@@ -159,8 +163,11 @@ class RetrievalConfig(BaseModel):
                                             description="output tokens one request adds to the output index (its first)")
 
     isolation: Literal["shared", "tenant", "request"] = Field(
-        default="shared", description="who shares the successor table and output index: everyone, a tenant, a request")
-    max_tenants: int = Field(default=8, ge=1, le=4096, description="tenant groups (least recently used reused)")
+        default="tenant",
+        description="who shares the successor table and output index: everyone, requests of one isolation key, "
+                    "nobody")
+    max_tenants: int = Field(default=8, ge=1, le=4096,
+                             description="isolation keys with their own group at once (idle groups reused)")
 
     lookup: bool = True
     history_len: int = Field(default=256, ge=16, le=65536,
@@ -256,10 +263,14 @@ class BatchBudgetConfig(BaseModel):
     (calibrated expected accept length over the round time measured on the serving device).
 
     Fields:
-        enabled: false = every round verifies ``num_draft_tokens`` per request (fixed N).
-        widths: the per-request verify widths a round may use, root included (1 = a plain decode
-            step: no drafting, only the root is verified); () = ``(1, ceil(N / 2), N)``. Each width
-            is a runtime state of its own (attention backend, CUDA graphs), built at startup.
+        enabled: false = every round verifies ``num_draft_tokens`` per request (fixed N), but for
+            the plain rounds below.
+        widths: the per-request verify widths a round may use, root included (1 = a plain round:
+            the engine's decode step, no drafting); () = ``(1, ceil(N / 2), N)``. 1 is always added:
+            batches with a request that needs the engine's exact decode step (penalties, logprobs,
+            ...; sglang_patch/request_features.py) or all of whose requests opted out run plain
+            rounds whatever the budget says. Each width is a runtime state of its own (attention
+            backend, CUDA graphs), built at startup.
         explore_every: rounds of one batch-size bucket between two re-measurements of a width that is
             not the current best (exploration cost: at most 1 round in ``explore_every``).
         explore_margin: only a width whose estimated tokens/s is within this fraction of the best
@@ -319,6 +330,11 @@ class GraftConfig(BaseModel):
         description="skip the remaining draft steps once no deeper draft node can be selected (with "
                     "checkpoints: once every request fired one); eager execution only, CUDA-graph "
                     "replays always draft the full depth")
+    return_sources: bool = Field(
+        default=False,
+        description="add meta_info.graft_src to responses: the source of each output token (draft, successor, "
+                    "suffix, outputs, ...); off by default, as an 'o' (output index) token tells a caller that "
+                    "earlier text of its isolation key contained it")
 
     @model_validator(mode="after")
     def _check(self) -> "GraftConfig":
@@ -355,11 +371,13 @@ class GraftConfig(BaseModel):
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
-        """The per-request verify widths rounds may use (``(N,)`` when the batch budget is off)."""
+        """The per-request verify widths rounds may use, 1 (a plain round) always among them: a batch
+        whose requests need the engine's exact decode step, or whose round code failed, runs plain
+        (``(1, N)`` when the batch budget is off: N every other round)."""
         n = self.num_draft_tokens
         if not self.batch_budget.enabled:
-            return (n,)
-        return self.batch_budget.widths or tuple(sorted({1, max(2, -(-n // 2)), n}))
+            return (1, n)
+        return tuple(sorted({1, *(self.batch_budget.widths or (max(2, -(-n // 2)), n))}))
 
     @property
     def agreement_modes(self) -> Tuple[bool, bool]:
@@ -397,7 +415,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: missing file.
-        ValueError: unknown suffix or a top level that is not a mapping.
+        ValueError: unknown suffix, a syntax error (the message names the file, line and column), or
+            a top level that is not a mapping.
     """
     return _read_file(path)
 
@@ -406,9 +425,18 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     text = p.read_text()
     if p.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config file {p}, line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     elif p.suffix in (".yaml", ".yml"):
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"config file {p}{where}: YAML syntax error: {problem}") from None
     else:
         raise ValueError(f"config file {p}: unknown suffix {p.suffix!r} (use .json, .yaml or .yml)")
     if data is None:

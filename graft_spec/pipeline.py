@@ -48,6 +48,7 @@ from .history import TokenHistory
 from .kernels import fused_kernels_for, fused_ops_everywhere
 from .kernels.tree_sample import tree_sample
 from .kernels.observe import gain_columns, observe_rows
+from .kernels.successor import PRIVATE_GROUP
 from .request_correction import RequestCorrection
 from .step import DenseDraft, DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
 from .stats import GraftStats, prometheus_enabled
@@ -64,6 +65,7 @@ REQUEST_TABLE_ROWS = 4096
 __all__ = [
     # the planner and what a round returns
     "GraftPlanner", "RoundRetrieval", "RoundStats", "on_path_from_accept_index", "on_path_from_tokens",
+    "PRIVATE_GROUP",
     # data crossing the door
     "DraftCandidates", "DenseDraft", "HostCandidates", "StepOutput", "DraftTree", "dense_draft_candidates",
     "tree_draft_candidates",
@@ -145,10 +147,13 @@ class RoundStats:
 
 
 class GroupMap:
-    """Keys (tenant labels or request ids) -> successor-table isolation groups.
+    """Isolation keys (tenant keys or request ids) -> groups of the cross-request retrieval state
+    (successor table, output index), with the requests of each key counted.
 
-    A key keeps its group while it is in use; when every group is taken the least recently used
-    key's group is handed over (and must be reset by the caller: ``fresh`` is then True).
+    A key keeps its group while any request of it runs, and after that until the group is needed:
+    a new key takes a free group, else the least recently used group no request holds (the caller
+    resets it: ``fresh`` is True). When every group is held, a new key gets `PRIVATE_GROUP`: its
+    requests learn nothing across requests and are proposed nothing learnt from others.
 
     Args:
         capacity: number of groups.
@@ -156,25 +161,42 @@ class GroupMap:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._map: "OrderedDict[Hashable, int]" = OrderedDict()
+        self._map: "OrderedDict[Hashable, int]" = OrderedDict()   # key -> group, least recent first
+        self._held: dict[Hashable, int] = {}                       # key -> running requests
         self._free = list(range(capacity - 1, -1, -1))
 
-    def get(self, key: Hashable) -> tuple[int, bool]:
-        """``(group, fresh)``: fresh when the group was just (re)assigned to ``key``."""
+    def acquire(self, key: Hashable) -> tuple[int, bool]:
+        """``(group, fresh)`` for one more running request of ``key``: fresh when the group was just
+        (re)assigned to ``key``; `PRIVATE_GROUP` (fresh False, nothing held) when every group is held."""
         if key in self._map:
             self._map.move_to_end(key)
+            self._held[key] = self._held.get(key, 0) + 1
             return self._map[key], False
         if self._free:
             g = self._free.pop()
         else:
-            _, g = self._map.popitem(last=False)
+            idle = next((k for k in self._map if not self._held.get(k)), None)
+            if idle is None:
+                return PRIVATE_GROUP, False
+            g = self._map.pop(idle)
         self._map[key] = g
+        self._held[key] = 1
         return g, True
 
-    def release(self, key: Hashable) -> None:
-        g = self._map.pop(key, None)
-        if g is not None:
-            self._free.append(g)
+    def release(self, key: Hashable, forget: bool = False) -> None:
+        """One request of ``key`` stopped. With ``forget`` (keys that never recur: request ids) the
+        key's group is free again once no request holds it."""
+        n = self._held.get(key, 0) - 1
+        if n > 0:
+            self._held[key] = n
+            return
+        self._held.pop(key, None)
+        if forget and key in self._map:
+            self._free.append(self._map.pop(key))
+
+    def held(self) -> int:
+        """Keys with a running request."""
+        return len(self._held)
 
 
 @dataclass
@@ -232,7 +254,7 @@ class GraftPlanner:
         #: per-request windows of the retrieval sources' acceptance (request_correction.py)
         self.request_correction = RequestCorrection(max_slots, config.calibration.request_window,
                                                     device=self.device)
-        self.retriever = Retriever.from_config(config, corpus)
+        self.retriever = Retriever.from_config(config, corpus, vocab_size=vocab_size)
         #: earlier requests' outputs, on the device (retrieval/output_ring.py), or None
         self.outputs = (OutputRing(r.outputs_max_tokens, r.match_len, n - 1, r.outputs_max_request_tokens, self.device)
                         if any(r.outputs_modes) and r.isolation != "request" else None)
@@ -244,27 +266,56 @@ class GraftPlanner:
         self.steps = {w: (self.step if w == n else self._new_step(w)) for w in config.verify_widths if w >= 2}
         self._seen: dict[Hashable, int] = {}
         self._group: dict[Hashable, int] = {}
+        self._key: dict[Hashable, Hashable] = {}
+
+    @staticmethod
+    def state_bytes(config: GraftConfig, vocab_size: int, max_batch: int, max_slots: int) -> dict:
+        """Device bytes the planner of ``config`` holds, by part, from the sizes `__init__` uses (the
+        KV reserve takes them off before an engine sizes its KV cache): the successor table of every
+        isolation group (``int32[G * (R + 2), k]``), the output index's ring and m-gram tables
+        (`OutputRing.index_bytes`) and the token history (``int64[slots, L + 1]``).
+
+        Args:
+            vocab_size: V; max_batch: the engine's largest batch; max_slots: its request slots.
+        Returns:
+            ``{"successor_table": int, "output_index": int, "token_history": int}``.
+        """
+        r = config.retrieval
+        groups = {"shared": 1, "tenant": r.max_tenants, "request": 2 * max(max_batch, 1) + 8}[r.isolation]
+        rows = min(REQUEST_TABLE_ROWS if r.isolation == "request" else vocab_size, vocab_size)
+        table = groups * (rows + 2) * r.successor_k * 4 if r.successor else 0
+        ring = 0
+        if any(r.outputs_modes) and r.isolation != "request":
+            c = r.outputs_max_tokens
+            lengths = sum(1 for m in OutputRing.MATCH_LENGTHS if m <= r.match_len) or 1
+            ring = 8 * (2 * c + lengths * (1 << max(1, (2 * c - 1).bit_length())))
+        return {"successor_table": int(table), "output_index": int(ring),
+                "token_history": int(max(max_slots, 1) * (r.history_len + 1) * 8)}
 
     def _new_step(self, width: int) -> GraftStep:
         return GraftStep(self.config, self.calibrator, self.successor, self.device, width, self.outputs)
 
     # ------------------------------------------------------------------ host lifecycle
     def assign_group(self, req_id: Hashable, tenant: Optional[Hashable] = None) -> int:
-        """The request's successor-table isolation group (``retrieval.isolation``), assigned on first
-        call: 0 when shared, the tenant's group, or the request's own; a group handed over from
-        another key is reset on the device first (no host read)."""
+        """The request's isolation group (``retrieval.isolation``), assigned on first call and held
+        until `stop_request`: 0 when shared, its tenant key's group (``tenant``: the key; None = the
+        requests without one, which share a group) or its own; `PRIVATE_GROUP` when every group is
+        held by running requests of other keys. A group handed over from another key is reset on the
+        device first (no host read)."""
         if req_id in self._group:
             return self._group[req_id]
         mode = self.config.retrieval.isolation
         if mode == "shared":
-            g, fresh = 0, False
+            g, fresh, key = 0, False, None
         else:
-            g, fresh = self.groups.get(req_id if mode == "request" else ("tenant", tenant))
+            key = req_id if mode == "request" else ("tenant", tenant)
+            g, fresh = self.groups.acquire(key)
         if fresh and self.successor is not None:
             self.successor.reset_group(g)
         if fresh and self.outputs is not None:
             self.outputs.forget_group(g)
         self._group[req_id] = g
+        self._key[req_id] = key
         return g
 
     def start_request(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None,
@@ -278,12 +329,12 @@ class GraftPlanner:
                 proposes to rows of its mode (``retrieval.outputs``; `OutputRing.start`).
         """
         ids = [int(t) for t in prompt_ids]
-        self.assign_group(req_id, tenant)
+        group = self.assign_group(req_id, tenant)
         self._seen[req_id] = len(ids)
         self.retriever.start(req_id, ids, tenant)
         if self.outputs is not None:
-            keep = self.config.retrieval.outputs_modes[int(bool(sampled))]
-            self.outputs.start(req_id, ids, self._group[req_id], keep=keep)
+            keep = self.config.retrieval.outputs_modes[int(bool(sampled))] and group != PRIVATE_GROUP
+            self.outputs.start(req_id, ids, group, keep=keep)
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Tokens ``req_id`` committed since the last call (host view), in order."""
@@ -301,8 +352,9 @@ class GraftPlanner:
             self.outputs.stop(req_id)
         self._seen.pop(req_id, None)
         self._group.pop(req_id, None)
-        if self.config.retrieval.isolation == "request":
-            self.groups.release(req_id)
+        key = self._key.pop(req_id, None)
+        if key is not None:
+            self.groups.release(key, forget=self.config.retrieval.isolation == "request")
         self.retriever.stop(req_id)
 
     def clear_cache(self) -> None:
@@ -327,8 +379,15 @@ class GraftPlanner:
 
     def live_requests(self) -> int:
         """Requests with state in the planner or any source."""
-        return max(len(self._seen), self.retriever.live_requests(),
+        return max(len(self._seen), len(self._group), self.retriever.live_requests(),
                    self.outputs.live_requests() if self.outputs is not None else 0)
+
+    def state_counts(self) -> dict:
+        """Per-request entries held (``/server_info``; all 0 when no request runs): requests with a
+        group, with host-source state, live in the output index, and isolation keys held."""
+        return {"grouped": len(self._group), "host_sources": max(len(self._seen), self.retriever.live_requests()),
+                "output_index": self.outputs.live_requests() if self.outputs is not None else 0,
+                "keys_held": self.groups.held()}
 
     def retrieval_sources(self) -> list:
         """Every retrieval source object of this planner: the host sources (`Retriever.sources`),
@@ -361,6 +420,17 @@ class GraftPlanner:
         for row, rid in enumerate(req_ids):
             self.retriever.fill(self.buffer, row, rid, self.seen(rid), self.group_of(rid),
                                 True if speculate is None else bool(speculate[row]))
+        return self.buffer.upload(b)
+
+    def no_host_candidates(self, req_ids: Sequence[Hashable], speculate: Optional[Sequence[bool]] = None
+                           ) -> HostCandidates:
+        """`host_candidates` with every row empty and in no isolation group (`PRIVATE_GROUP`): what a
+        round uses when its host proposals could not be made (the draft and the device sources still
+        propose, nothing is learnt across requests)."""
+        b = len(req_ids)
+        self.buffer.ensure(b)
+        for row, rid in enumerate(req_ids):
+            self.buffer.clear(row, self.seen(rid), PRIVATE_GROUP, True if speculate is None else bool(speculate[row]))
         return self.buffer.upload(b)
 
     def build(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, host: HostCandidates,
@@ -444,6 +514,8 @@ class GraftPlanner:
         self._set_windows(slot_ids, contexts)
         first = first.reshape(-1).to(torch.int64)
         self.history.append(slot_ids, first[:, None], torch.ones_like(first))
+        tenants = tenants if tenants is not None else [None] * len(req_ids)
+        group_ids = [self.assign_group(r, t) for r, t in zip(req_ids, tenants)]   # held until stop_request
         if self.successor is None or extend_ids is None or not extend_lens or extend_ids.numel() < 2:
             return
         ids = extend_ids.reshape(-1).to(torch.int64)
@@ -451,9 +523,7 @@ class GraftPlanner:
         starts = lens_t.cumsum(0)
         same = torch.ones(ids.numel() - 1, dtype=torch.bool, device=ids.device)   # a bigram within one request
         same[(starts[:-1] - 1).clamp(0, ids.numel() - 2)] = False
-        tenants = tenants if tenants is not None else [None] * len(req_ids)
-        groups = torch.tensor([self.assign_group(r, t) for r, t in zip(req_ids, tenants)],
-                              device=ids.device).repeat_interleave(lens_t)
+        groups = torch.tensor(group_ids, device=ids.device).repeat_interleave(lens_t)
         self.successor.warm_start(ids[:-1], ids[1:], same, groups[:-1])
 
     def _set_windows(self, slot_ids: torch.Tensor, contexts: Sequence[Sequence[int]]) -> None:
@@ -468,10 +538,11 @@ class GraftPlanner:
         dev = self.device
         self.reset_slots(slot_ids, rows.to(dev, non_blocking=True), lens.to(dev, non_blocking=True))
 
-    def plain(self, roots: torch.Tensor, seq_lens: torch.Tensor) -> StepOutput:
-        """The root-only `StepOutput` of a plain decode round (verify width 1), so its bookkeeping
-        (`observe`: token history) runs the same way as a speculative round's."""
-        return StepOutput.root_only(roots, seq_lens, self.calibrator.table)
+    def append_committed(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
+        """Tokens committed outside a verified round (an engine's plain decode steps, caught up in one
+        call): the first ``lens[b]`` of ``tokens[b]`` (``int64[B, W]``) are appended to slot
+        ``slot_ids[b]``'s token history (device, no host read). Nothing is priced or learnt from them."""
+        self.history.append(slot_ids, tokens, lens)
 
     def stop_gate(self, roots: torch.Tensor, host: HostCandidates, slot_ids: torch.Tensor,
                   seq_lens: torch.Tensor, sampled: torch.Tensor,
@@ -501,8 +572,7 @@ class GraftPlanner:
 
         Args:
             out: the round's `StepOutput`.
-            on_path: ``bool[B, N]`` accepted nodes (`on_path_from_accept_index`); unused (may be
-                None) for a root-only tree (N = 1, a plain round), whose root is always accepted.
+            on_path: ``bool[B, N]`` accepted nodes (`on_path_from_accept_index`), N >= 2.
             target_topk: ``int64[B, N, k]`` the target's top-k after every node (successor update),
                 or None.
             committed: ``int64[B, >= accept_len]`` committed tokens (accepted nodes' tokens, then the
@@ -512,12 +582,6 @@ class GraftPlanner:
             `RoundStats` (device tensors, for an engine to copy to the host off the critical path).
         """
         tree = out.tree
-        if tree.tokens.shape[1] == 1:
-            # a root-only tree (a plain round) credits nothing, teaches the successor table nothing
-            # (its root has no group) and accepts no node: only the history grows
-            self.history.append(slot_ids, committed, accept_len)
-            return RoundStats(tree.tokens[:, :0], torch.zeros_like(self.calibrator.member_stats),
-                              torch.zeros_like(self.calibrator.depth_stats))
         cal, rc = self.calibrator, self.request_correction
         scale, under = out.factors if out.factors is not None else cal.identity(tree.tokens.shape[0])
         gain = out.gain if out.gain is not None else tree.logp[:, :0]

@@ -15,7 +15,7 @@ SGLang's own ``sglang:*`` series (``observability/metrics_collector.py``):
 | series | type | labels | what |
 |---|---|---|---|
 | ``graft:accepted_tokens_total`` | counter | source = a source name (sources.py) or bonus | emitted tokens by origin |
-| ``graft:accept_length`` | histogram | | tokens per request per verify round (bonus included) |
+| ``graft:accept_length`` | histogram | | tokens per request per speculative round (bonus included) |
 | ``graft:verified_nodes_total`` | counter | depth | verified tree nodes per depth |
 | ``graft:accepted_nodes_total`` | counter | depth | of those, on the accepted path |
 | ``graft:calibration_trials_total`` | counter | member = a member source name (sources.py) | verified nodes each source proposed |
@@ -25,6 +25,7 @@ SGLang's own ``sglang:*`` series (``observability/metrics_collector.py``):
 | ``graft:verify_rounds_total`` | counter | width | decode rounds per verify width (batch budget; 1 = plain decode) |
 | ``graft:batch_verify_tokens`` | gauge | | verify tokens of the last round (batch size x width) |
 | ``graft:verify_width`` | gauge | | verify width per request of the last round |
+| ``graft:round_failures_total`` | counter | stage | contained failures of graft's own round code (SGLang: sglang_patch/containment.py) |
 
 Mean estimated vs observed acceptance of a member = ``estimated_total / trials_total`` vs
 ``hits_total / trials_total``; acceptance per depth = ``accepted_nodes / verified_nodes``.
@@ -115,6 +116,20 @@ class GraftStats:
         if self._prom:
             self._prom.draft_forwards.labels(outcome=key).inc()
 
+    def record_failure(self, stage: str) -> None:
+        """A contained failure of graft's round code in ``stage`` (the ``graft:round_failures_total``
+        series; the engine adapter keeps the counts, sglang_patch/containment.py)."""
+        if self._prom:
+            self._prom.failures.labels(stage=stage).inc()
+
+    def record_plain(self, batch_size: int) -> None:
+        """One plain round (verify width 1) of ``batch_size`` requests: each emitted one token, the
+        target's, and nothing was verified (accept length 1)."""
+        self.accepted["bonus"] += batch_size
+        self.accept_length_counts[1] = self.accept_length_counts.get(1, 0) + batch_size
+        if self._prom:
+            self._prom.accepted.labels(source="bonus").inc(batch_size)
+
     def record_width(self, width: int, batch_size: int) -> None:
         """A decode round launched with ``width`` verify tokens per request for ``batch_size`` requests."""
         self.verify_widths[width] = self.verify_widths.get(width, 0) + 1
@@ -158,6 +173,7 @@ class _Prometheus:
                                   multiprocess_mode="mostrecent")
         self.width = Gauge("graft:verify_width", "Verify width per request of the last round",
                            multiprocess_mode="mostrecent")
+        self.failures = Counter("graft:round_failures", "Contained failures of graft's round code", ["stage"])
 
 
 def prometheus_enabled() -> bool:

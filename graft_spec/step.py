@@ -48,7 +48,8 @@ from .prune import PruneStages, prune
 from .retrieval.buffer import HostCandidates
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
-from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_SUCCESSOR
+from .kernels.successor import PRIVATE_GROUP
+from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_PADDING, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
 __all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "dense_logq", "tree_draft_candidates",
@@ -205,20 +206,32 @@ class StepOutput:
         return StepOutput(tree, bins, depth, positions, mask, first, nxt, est)
 
     @staticmethod
-    def root_only(roots: torch.Tensor, seq_lens: torch.Tensor, estimates: torch.Tensor) -> "StepOutput":
-        """The one-node tree of a plain decode round (width 1: the root is verified, the target's
-        token after it is the bonus). ``roots``: ``int64[B]``; ``estimates``: the calibrator's table
-        (the round's update credits nothing, every member bin is -1)."""
-        b, dev = roots.shape[0], roots.device
-        minus_one = torch.full((b, 1), -1, dtype=torch.int64, device=dev)
-        tree = DraftTree(roots.reshape(b, 1).to(torch.int64), minus_one, torch.zeros(b, 1, device=dev),
-                         torch.full((b, 1), SOURCE_DRAFT, dtype=torch.int64, device=dev))
-        # `tree_layout` of a one-node tree, written out (every plain round builds one): depth 0,
-        # position = seq_len, the root sees itself, no child, no sibling
-        bins = torch.full((b, 1, NUM_MEMBERS), -1, dtype=torch.int64, device=dev)
-        return StepOutput(tree, bins, torch.zeros(b, 1, dtype=torch.int64, device=dev),
-                          seq_lens.reshape(b, 1).to(torch.int64), torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
-                          minus_one.clone(), minus_one.clone(), estimates)
+    def padding(roots: torch.Tensor, seq_lens: torch.Tensor, num_nodes: int, estimates: torch.Tensor
+                ) -> "StepOutput":
+        """A tree that proposes nothing: the root and ``num_nodes - 1`` padding children of it (token
+        0, as SGLang's NGRAM pads), laid out by hand (no selection, no layout code). An engine verifies
+        it in place of a round whose graft step failed: the same shapes, the root's bonus token
+        committed, nothing credited or learnt (member bins -1, `PRIVATE_GROUP`).
+
+        Args:
+            roots: ``int[B]``; seq_lens: ``int[B]`` committed tokens before the root;
+            num_nodes: N >= 1; estimates: the calibrator's table (carried, not updated).
+        """
+        b, n, dev = roots.shape[0], int(num_nodes), roots.device
+        col = torch.arange(n, device=dev)
+        tokens = torch.where(col == 0, roots.reshape(b, 1).to(torch.int64), 0)
+        parents = torch.where(col == 0, -1, 0).expand(b, n).contiguous()
+        source = torch.where(col == 0, SOURCE_DRAFT, SOURCE_PADDING).expand(b, n).contiguous()
+        tree = DraftTree(tokens, parents, torch.zeros(b, n, device=dev), source)
+        depth = (col > 0).to(torch.int64).expand(b, n).contiguous()
+        eye = torch.eye(n, dtype=torch.bool, device=dev)
+        mask = (eye | (col[None, :] == 0)).expand(b, n, n).contiguous()
+        first = torch.where(col == 0, 1 if n > 1 else -1, -1).expand(b, n).contiguous()
+        nxt = torch.where((col > 0) & (col < n - 1), col + 1, -1).expand(b, n).contiguous()
+        bins = torch.full((b, n, NUM_MEMBERS), -1, dtype=torch.int64, device=dev)
+        groups = torch.full((b,), PRIVATE_GROUP, dtype=torch.int64, device=dev)
+        return StepOutput(tree, bins, depth, seq_lens.reshape(b, 1).to(torch.int64) + depth, mask, first, nxt,
+                          estimates, groups)
 
     def pack(self) -> torch.Tensor:
         """``int64[B, N, 4 + NUM_MEMBERS]``: tokens, parents, source, log-estimate bits and member bins,

@@ -88,7 +88,7 @@ REF_PORT="$(free_port)"
 # shellcheck disable=SC2086
 start_server graft "$GRAFT_PORT" --speculative-algorithm graft \
   --speculative-draft-model-path "$MODELS/draft" \
-  --graft-config "$CONFIG" ${QUICKSTART_ARGS:-}
+  --graft-config "$CONFIG" --graft-return-sources true ${QUICKSTART_ARGS:-}
 start_server nospec "$REF_PORT"
 wait_healthy graft "$GRAFT_PORT" 0
 wait_healthy nospec "$REF_PORT" 1

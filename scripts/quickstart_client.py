@@ -7,12 +7,13 @@
 ``--url`` serves Graft, ``--reference-url`` the same target without speculation (both float32).
 1. Sampled completions (temperature 0.8, top-p 0.95, seeded) from the Graft server, printed as text
    (greedy text of a small model loops; sampled text shows what the model writes).
-2. The same prompts greedily on both servers, concurrency 4: the output token ids must be identical
-   (exit 1 otherwise), then the tokens/s ratio Graft / no-spec on that run, how many of the Graft
-   server's decode rounds speculated, and the tau of those rounds.
+2. The same prompts greedily on both servers, at concurrency 1 and at 4 (``--concurrency``): the
+   output token ids must be identical (exit 1 otherwise), then per concurrency the tokens/s ratio
+   Graft / no-spec, how many of the Graft server's decode rounds speculated, the tau of those rounds,
+   and one sentence on why.
 
 The batch budget gives each decode round a verify width: 1 (a plain decode step) where speculating
-would cost more than it earns, as on a small CPU at concurrency 4, or more. Counted per request:
+would cost more than it earns, or more; a plain round is SGLang's own decode step. Counted per request:
 rounds = ``meta_info.spec_verify_ct``; plain rounds = the Graft server's
 ``worker.batch_budget.tokens_by_width["1"]`` on ``GET /server_info``, read before and after the
 greedy pass (a plain round emits exactly one token per request); speculated rounds = rounds - plain
@@ -89,6 +90,50 @@ def speculated(outs: list[dict], plain_before: int | None, plain_after: int | No
             "speculated_tau": round((decoded - plain) / spec, 3) if spec > 0 else None}
 
 
+def measure(url: str, ref_url: str, prompts: list[str], concurrency: int, max_new: int) -> dict:
+    """One greedy pass of ``prompts`` on both servers at ``concurrency``: equality, tokens/s of each,
+    the speculated rounds and their tau (`speculated`), the grafted share."""
+    ref, ref_s = generate_all(ref_url, prompts, concurrency, max_new_tokens=max_new)
+    plain_before = plain_rounds(url)
+    graft, graft_s = generate_all(url, prompts, concurrency, max_new_tokens=max_new)
+    spec = speculated(graft, plain_before, plain_rounds(url))
+    differ = [i for i, (a, b) in enumerate(zip(graft, ref)) if a["output_ids"] != b["output_ids"]]
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in graft)
+    rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in graft)
+    src = Counter(ch for o in graft for ch in o["meta_info"].get("graft_src", []))
+    accepted = sum(src[c] for c in SOURCE_LETTERS)
+    grafted = sum(src[SOURCE_LETTERS[s]] for s in GRAFTED_SOURCES)
+    ref_tokens = sum(o["meta_info"]["completion_tokens"] for o in ref)
+    return {
+        "concurrency": concurrency,
+        "greedy_equal_to_no_spec": not differ, "differ": differ,
+        "tau_all_rounds": round(tokens / rounds, 3) if rounds else None,
+        **(spec or {}),
+        "grafted_share": round(grafted / accepted, 3) if accepted else 0.0,
+        "graft_tokens_per_s": round(tokens / graft_s, 1),
+        "no_spec_tokens_per_s": round(ref_tokens / ref_s, 1),
+        "tokens_per_s_ratio": round((tokens / graft_s) / (ref_tokens / ref_s), 3),
+    }
+
+
+def why(r: dict) -> str:
+    """One plain sentence on a pass's figures."""
+    c, ratio = r["concurrency"], r["tokens_per_s_ratio"]
+    total, spec = r.get("rounds"), r.get("speculated_rounds")
+    if total is None or spec is None:
+        return f"concurrency {c}: tokens/s x{ratio} vs no speculation (the server reports no round counters)"
+    if spec == 0:
+        return (f"concurrency {c}: 0 of {total} decode rounds speculated, tokens/s x{ratio} vs no speculation: "
+                f"the batch budget measured that a verify round costs more here than the tokens it adds, so "
+                f"every round was SGLang's own decode step")
+    share = spec / total if total else 0.0
+    return (f"concurrency {c}: {spec} of {total} decode rounds speculated ({share:.0%}), tau {r['speculated_tau']} "
+            f"in those (grafted share {r['grafted_share']:.0%}), tokens/s x{ratio} vs no speculation: "
+            + ("speculating paid, the budget kept it" if ratio >= 1.0 else
+               "the budget speculated where its measured round times said it would pay; the other rounds "
+               "were SGLang's decode step"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True, help="Graft server")
@@ -96,11 +141,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--n", type=int, default=8, help="number of prompts")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     args = ap.parse_args()
     prompts = [p.text for p in load_prompts(args.prompts, args.n)]
 
-    sampled, _ = generate_all(args.url, prompts, args.concurrency, max_new_tokens=args.max_new_tokens,
+    sampled, _ = generate_all(args.url, prompts, max(args.concurrency), max_new_tokens=args.max_new_tokens,
                               temperature=0.8, top_p=0.95)
     for i, (prompt, out) in enumerate(zip(prompts, sampled)):
         print(f"=== prompt {i} (sampled, T 0.8 / top-p 0.95) ===")
@@ -109,49 +154,27 @@ def main() -> int:
         print(out["text"].rstrip() or "(empty)")
         print()
 
-    # warm both servers' code paths once, then time the greedy pass
+    # warm both servers' code paths once, then time greedy passes
     generate_all(args.reference_url, prompts[:1], 1, max_new_tokens=8)
-    ref, ref_s = generate_all(args.reference_url, prompts, args.concurrency, max_new_tokens=args.max_new_tokens)
-    plain_before = plain_rounds(args.url)
-    graft, graft_s = generate_all(args.url, prompts, args.concurrency, max_new_tokens=args.max_new_tokens)
-    spec = speculated(graft, plain_before, plain_rounds(args.url))
-    differ = [i for i, (a, b) in enumerate(zip(graft, ref)) if a["output_ids"] != b["output_ids"]]
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in graft)
-    rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in graft)
-    src = Counter(ch for o in graft for ch in o["meta_info"].get("graft_src", []))
-    accepted = sum(src[c] for c in SOURCE_LETTERS)
-    grafted = sum(src[SOURCE_LETTERS[s]] for s in GRAFTED_SOURCES)
-    ref_tokens = sum(o["meta_info"]["completion_tokens"] for o in ref)
-    report = {
-        "greedy_equal_to_no_spec": not differ,
-        "tau_all_rounds": round(tokens / rounds, 3) if rounds else None,
-        **(spec or {}),
-        "grafted_share": round(grafted / accepted, 3) if accepted else 0.0,
-        "graft_tokens_per_s": round(tokens / graft_s, 1),
-        "no_spec_tokens_per_s": round(ref_tokens / ref_s, 1),
-        "tokens_per_s_ratio": round((tokens / graft_s) / (ref_tokens / ref_s), 3),
-        "sampled_tau": round(sum(o["meta_info"]["completion_tokens"] for o in sampled)
-                             / max(1, sum(o["meta_info"].get("spec_verify_ct", 0) for o in sampled)), 3),
-    }
-    print("quickstart:", json.dumps(report))
-    if differ:
-        print(f"quickstart: greedy outputs of prompts {differ} differ from no speculation", file=sys.stderr)
+    generate_all(args.url, prompts[:1], 1, max_new_tokens=8)
+    reports = [measure(args.url, args.reference_url, prompts, c, args.max_new_tokens) for c in args.concurrency]
+    sampled_tau = round(sum(o["meta_info"]["completion_tokens"] for o in sampled)
+                        / max(1, sum(o["meta_info"].get("spec_verify_ct", 0) for o in sampled)), 3)
+    for r in reports:
+        print("quickstart:", json.dumps({**{k: v for k, v in r.items() if k != "differ"}, "sampled_tau": sampled_tau}))
+    bad = [r for r in reports if r["differ"]]
+    for r in bad:
+        print(f"quickstart: greedy outputs of prompts {r['differ']} differ from no speculation at concurrency "
+              f"{r['concurrency']}", file=sys.stderr)
+    if bad:
         return 1
-    if not rounds:
+    if not any(r.get("rounds") or r["tau_all_rounds"] for r in reports):
         print("quickstart: the Graft server reported no verify rounds", file=sys.stderr)
         return 1
     print(f"quickstart: greedy Graft output identical to no speculation on {len(prompts)} prompts "
-          f"(greedy, concurrency {args.concurrency})")
-    if spec is None:
-        rounds_text = f"tau {report['tau_all_rounds']} over all decode rounds (/server_info has no round counters)"
-    elif spec["speculated_rounds"] == 0:
-        rounds_text = (f"0 of {spec['rounds']} decode rounds speculated: the batch budget ran every round "
-                       f"as a plain decode step, as speculating did not pay on this machine")
-    else:
-        rounds_text = (f"{spec['speculated_rounds']} of {spec['rounds']} decode rounds speculated, "
-                       f"tau {spec['speculated_tau']} in those (grafted share {report['grafted_share']:.0%}); "
-                       f"the other rounds were plain decode steps")
-    print(f"quickstart: tokens/s x{report['tokens_per_s_ratio']} vs no speculation; {rounds_text}")
+          f"(concurrency {', '.join(str(c) for c in args.concurrency)})")
+    for r in reports:
+        print("quickstart: " + why(r))
     return 0
 
 

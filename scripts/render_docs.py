@@ -274,19 +274,26 @@ def _widths(n: int) -> Tuple[int, ...]:
 def batch_budget(bench: Bench) -> str:
     cells = _budget_cells(bench)
     widths = _widths(cells[0]["rows"]["graft"]["num_draft_tokens"])
+    eagle = all("eagle3" in c["rows"] for c in cells)
     out = []
     for c in cells:
         r = c["rows"]
         g = r["graft"]
         vw = g.get("verify_widths") or {}
-        out.append([c["set"], c["mode"], c["conc"], f"{r['nospec']['tokens_per_s']:.0f}",
-                    f"{r['eagle3']['tokens_per_s']:.0f} ({r['eagle3']['tau']:.2f})",
-                    f"{r['graft_fixed']['tokens_per_s']:.0f} ({r['graft_fixed']['tau']:.2f})",
-                    f"{g['tokens_per_s']:.0f}", f"{c['ratio']:.2f}", f"{g['tau']:.2f}",
-                    f"{g['verified_tokens_per_step']:.1f}", "/".join(str(vw.get(str(w), 0)) for w in widths)])
+        rounds = sum(vw.values())
+        spec = sum(k for w, k in vw.items() if int(w) > 1) / rounds if rounds else 0.0
+        row = [c["set"], c["mode"], c["conc"], f"{r['nospec']['tokens_per_s']:.0f}"]
+        if eagle:
+            row.append(f"{r['eagle3']['tokens_per_s']:.0f} ({r['eagle3']['tau']:.2f})")
+        row += [f"{r['graft_fixed']['tokens_per_s']:.0f} ({r['graft_fixed']['tau']:.2f})",
+                f"{g['tokens_per_s']:.0f}", f"{c['ratio']:.2f}", f"{g['tau']:.2f}", f"{spec:.0%}",
+                "/".join(str(vw.get(str(w), 0)) for w in widths)]
+        out.append(row)
     n = widths[-1]
-    return _md(["set", "mode", "conc", "no-spec", "EAGLE-3 (tau)", f"graft N {n} (tau)", "graft budget",
-                "budget / max", "budget tau", "verified", "rounds " + "/".join(map(str, widths))], out)
+    head = ["set", "mode", "conc", "no-spec"] + (["EAGLE-3 (tau)"] if eagle else []) + [
+        f"graft N {n} (tau)", "graft budget", "budget / max", "budget tau", "speculative rounds",
+        "rounds " + "/".join(map(str, widths))]
+    return _md(head, out)
 
 
 def budget_mean_ratio(bench: Bench) -> str:
@@ -316,21 +323,55 @@ def paired(bench: Bench) -> str:
     d = bench("paired.json")
     methods = d["args"]["methods"]
     rows = []
-    for c, per in sorted(d["pairs"].items(), key=lambda kv: int(kv[0])):
+    for cell, per in d["pairs"].items():        # "<mode> c<concurrency>", in the tool's order
+        mode, c = cell.split(" c")
         windows = {m: [w["tokens_per_s"] for w in sorted(d["windows"], key=lambda w: w["rep"])
-                       if w["method"] == m and str(w["concurrency"]) == c] for m in methods}
+                       if w["method"] == m and str(w["concurrency"]) == c and w.get("mode", "greedy") == mode]
+                   for m in methods}
         other = per[methods[1]]
-        rows.append([c, ", ".join(f"{x:.1f}" for x in windows[methods[0]]),
+        rows.append([mode, c, ", ".join(f"{x:.1f}" for x in windows[methods[0]]),
                      ", ".join(f"{x:.1f}" for x in windows[methods[1]]),
                      ", ".join(f"{x:.2f}" for x in other["ratios"]), f"**{other['median_ratio']:.2f}**"])
-    return _md(["concurrency", f"{methods[0]} tokens/s per window", f"{methods[1]} tokens/s per window",
+    return _md(["mode", "concurrency", f"{methods[0]} tokens/s per window", f"{methods[1]} tokens/s per window",
                 "ratio per pair", "median ratio"], rows)
 
 
-def _paired_median(c: str) -> Callable[[Bench], str]:
+def _paired_median(cell: str) -> Callable[[Bench], str]:
     def fig(bench: Bench) -> str:
         d = bench("paired.json")
-        return f"{d['pairs'][c][d['args']['methods'][1]]['median_ratio']:.2f}"
+        return f"{d['pairs'][cell][d['args']['methods'][1]]['median_ratio']:.2f}"
+    return fig
+
+
+def paired_range(bench: Bench) -> str:
+    """The lowest and highest median ratio over the cells."""
+    d = bench("paired.json")
+    m = d["args"]["methods"][1]
+    medians = [per[m]["median_ratio"] for per in d["pairs"].values()]
+    return f"{min(medians):.2f}-{max(medians):.2f}"
+
+
+def op_census(bench: Bench) -> str:
+    d = bench("op_census.json")
+    ns, gp = d["servers"]["nospec"], d["servers"]["graft_plain"]
+    rows = []
+    for key in sorted(set(ns) & set(gp), key=lambda k: (k.split()[0], k.split()[1], int(k.split("bs")[1]))):
+        if not key.startswith("run_batch"):
+            continue
+        a, b = ns[key], gp[key]
+        mode, bs = key.split()[1], key.split("bs")[1]
+        rows.append([mode, bs, f"{a['kernels_per_round']:.0f}", f"{b['kernels_per_round']:.0f}",
+                     f"{b['kernels_per_round'] - a['kernels_per_round']:+.0f}",
+                     f"{a['syncs_per_round']:.0f} / {b['syncs_per_round']:.0f}"])
+    return _md(["round", "batch", "no-spec kernels", "graft plain kernels", "extra", "syncs (no-spec / graft)"],
+               rows)
+
+
+def _census_extra(key: str) -> Callable[[Bench], str]:
+    def fig(bench: Bench) -> str:
+        d = bench("op_census.json")
+        a, b = d["servers"]["nospec"][key], d["servers"]["graft_plain"][key]
+        return f"{b['kernels_per_round'] - a['kernels_per_round']:+.0f}"
     return fig
 
 
@@ -342,6 +383,7 @@ TABLES: Dict[str, Callable[[Bench], str]] = {
     "step_cuda": step_cuda,
     "batch_budget": batch_budget,
     "paired": paired,
+    "op_census": op_census,
 }
 
 FIGURES: Dict[str, Callable[[Bench], str]] = {
@@ -367,8 +409,10 @@ FIGURES: Dict[str, Callable[[Bench], str]] = {
     "budget_ratio_range": budget_ratio_range,
     "budget_cells_095": budget_cells_095,
     "budget_plain_cells": budget_plain_cells,
-    "paired_median_1": _paired_median("1"),
-    "paired_median_8": _paired_median("8"),
+    "paired_median_greedy_1": _paired_median("greedy c1"),
+    "paired_range": paired_range,
+    "census_extra_kernels_1": _census_extra("run_batch DECODE bs1"),
+    "census_extra_kernels_4": _census_extra("run_batch DECODE bs4"),
 }
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
@@ -396,23 +397,35 @@ WIDTH_STATE_REFUSED = {
 
 
 def refuse_width_state_combinations(sa, cfg) -> None:
-    """Refuse, while the batch budget has more than one verify width, the flags SGLang refuses for its
-    own adaptive runtime states (`WIDTH_STATE_REFUSED`); attention DP and multi-layer EAGLE, the
+    """Refuse the flags SGLang refuses for its own adaptive runtime states (`WIDTH_STATE_REFUSED`):
+    graft always has more than one verify width (a plain round among them); attention DP and multi-layer EAGLE, the
     others SGLang lists there, graft refuses in any case. Topk > 1, which SGLang also refuses there,
     is graft's tree and its width states are tested with it (tests/test_sglang_graft_server.py).
 
     Raises:
-        GraftSettingsError: naming the flag and the way out (drop it, or the budget off).
+        GraftSettingsError: naming the flag (drop it).
     """
     if len(cfg.verify_widths) <= 1:
         return
     for flag, why in WIDTH_STATE_REFUSED.items():
         if getattr(sa, flag, False):
             raise GraftSettingsError(
-                f"--{flag.replace('_', '-')} with graft's batch budget (verify widths "
-                f"{list(cfg.verify_widths)}): {why} (SGLang refuses it for its own adaptive states, "
-                "adaptive_spec_params.py:75-99); drop the flag, or fix the width with "
-                "batch_budget.enabled: false (GRAFTCFG_BATCH_BUDGET__ENABLED=false)")
+                f"--{flag.replace('_', '-')} with graft (verify widths {list(cfg.verify_widths)}: a plain "
+                f"round is always among them): {why} (SGLang refuses it for its own adaptive states, "
+                "adaptive_spec_params.py:75-99); drop the flag")
+
+
+def model_vocab_size(model_path: Optional[str]) -> Optional[int]:
+    """``vocab_size`` of a local model directory's ``config.json`` (its text config's for multimodal
+    models), read before the model loads; None when it cannot be read (a hub id, no file)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return None
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) else None
 
 
 def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None) -> None:
@@ -455,8 +468,19 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
             raise GraftSettingsError(f"graft does not support --{flag.replace('_', '-')}")
     refuse_unsafe_combinations(sa)
 
+    if getattr(sa, "enable_lora", False) or getattr(sa, "lora_paths", None):
+        raise GraftSettingsError(
+            "--enable-lora / --lora-paths with graft: the EAGLE-3 draft has no adapters and graft's "
+            "tests do not cover LoRA verify; serve LoRA adapters without speculation")
     cfg = effective_graft_config(sa, environ)
     refuse_width_state_combinations(sa, cfg)
+    if cfg.retrieval.corpus:   # before the model loads: a bad file stops the server now, naming it
+        from graft_spec.retrieval.corpus import check_corpus_file
+
+        try:
+            check_corpus_file(cfg.retrieval.corpus_path, model_vocab_size(getattr(sa, "model_path", None)))
+        except (OSError, ValueError) as exc:
+            raise GraftSettingsError(f"invalid graft setting: retrieval.corpus_path: {exc}") from None
     for field, sa_field in SHARED_SHAPE.items():
         if getattr(sa, sa_field, None) != getattr(cfg, field):
             setattr(sa, sa_field, getattr(cfg, field))

@@ -9,8 +9,9 @@ with the tokens the *host* knows, and records what graft contributed:
   ``output_ids`` lag the device by a round; the graft step re-anchors the host's proposals on the
   device (graft_spec/step.py), so nothing here reads the device.
 * `GraftRequestTracker.record` (from the round's host output, after SGLang has committed the
-  tokens and before it streams them, ``auxiliary_output.py``): per request the source of each newly
-  visible token is appended to ``req.customized_info["graft_src"]``, which SGLang streams into the
+  tokens and before it streams them, ``auxiliary_output.py``): with ``return_sources`` on
+  (`GraftConfig.return_sources`, off by default), per request the source of each newly visible token
+  is appended to ``req.customized_info["graft_src"]``, which SGLang streams into the
   response ``meta_info`` (``output_streamer.py:688``): one letter per accepted node's source
   (`graft_spec.sources.SOURCE_LETTERS`: ``d`` draft, ``s`` successor, ``x`` suffix, ``c`` corpus,
   ``l`` lookup, ``o`` outputs, ``a`` agreement of draft and retrieval, ``p`` padding), and ``t`` for
@@ -49,10 +50,13 @@ def is_finished(req) -> bool:
     return bool(finished()) if callable(finished) else False
 
 
-def tenant_of(req) -> Optional[str]:
-    """A request's tenant for ``retrieval.isolation: tenant``: SGLang's per-request ``extra_key`` (the
-    caller-defined classification that also partitions its radix cache), else None."""
-    return getattr(req, "extra_key", None)
+def tenant_of(req) -> Optional[tuple]:
+    """A request's isolation key for ``retrieval.isolation: tenant``: SGLang's own pair
+    ``(extra_key, cache_salt)``, the key of its radix cache (``mem_cache/radix_cache.py:62``; a LoRA
+    adapter's id is part of ``extra_key``, ``schedule_batch.py:1166``), or None when the request has
+    neither (such requests share one group, as they share cached prefixes)."""
+    key = (getattr(req, "extra_key", None) or None, getattr(req, "cache_salt", None) or None)
+    return None if key == (None, None) else key
 
 
 def is_sampled(req) -> bool:
@@ -90,8 +94,10 @@ class GraftRequestTracker:
             (the worker's batch budget: its gain curves).
     """
 
-    def __init__(self, planner, stale_rounds: int = 4096, on_free: Optional[Callable[[Hashable], None]] = None):
+    def __init__(self, planner, stale_rounds: int = 4096, on_free: Optional[Callable[[Hashable], None]] = None,
+                 return_sources: bool = False):
         self.planner = planner
+        self.return_sources = return_sources
         self.stale_rounds = stale_rounds
         self.on_free = on_free
         self.round = 0
@@ -157,7 +163,7 @@ class GraftRequestTracker:
                 st.emitted += len(accepted) + 1
                 for s in accepted:
                     st.accepted[s] += 1
-            if commit is None:
+            if commit is None or not self.return_sources:
                 continue
             letters = [SOURCE_LETTERS[s] if s < NUM_SOURCES else "?" for s in accepted] + [TARGET_LETTER]
             meta = self._meta(req)
@@ -181,7 +187,8 @@ class GraftRequestTracker:
         if self.on_free is not None:
             self.on_free(rid)
         st = self.states.pop(rid, None)
-        if st is None:
+        if st is None:   # never prepared (it finished in prefill or decoded in plain rounds only)
+            self.planner.stop_request(rid)
             return
         outputs = getattr(st.req, "output_ids", None)
         if outputs is not None:

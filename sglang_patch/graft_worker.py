@@ -31,12 +31,15 @@ Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.
 `GraftWorker.forward_batch_generation` asks ``graft_spec.budget.BatchBudget`` for the round's verify
 width (expected tokens per second from the calibrated gain of the requests' last rounds and the round
 times measured here, launch to launch) and switches SGLang's runtime state to it
-(`sglang_patch.verify_widths`). Width 1 is a plain decode step: SGLang skips drafting
-(``steps = 0``) and `_build_trivial_verify_input` lays out a root-only tree, so the round's
-bookkeeping runs as for any other. Requests with ``custom_params: {"graft_speculate": false}`` get no
-candidates and count as gaining nothing. Plain rounds skip the EAGLE draft extend; the draft
-catches up over the skipped tokens in one extend before the next drafting round
-(`sglang_patch.deferred_draft`, ``batch_budget.defer_draft_extend``).
+(`sglang_patch.verify_widths`). Width 1 is a plain round: SGLang's own decode step
+(`sglang_patch.plain_round`), in which graft only records the draft extend it skips
+(`sglang_patch.deferred_draft`); the draft catches up over the skipped tokens in one extend before the
+next drafting round. Batches with a request that needs the exact decode step (penalties, logprobs,
+``sglang_patch.request_features``) run plain rounds; requests with ``custom_params:
+{"graft_speculate": false}`` get no candidates and count as gaining nothing.
+
+Graft's own code in a round is contained (`sglang_patch.containment`): a failure is logged, counted
+and replaced by a lossless fallback; repeated failures turn speculation off.
 
 With tensor parallelism every rank builds its own tree, then the first rank's is broadcast to all
 (`StepOutput.pack`, one collective), and the eager stop gate's decision per depth is the first
@@ -61,21 +64,23 @@ import torch
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.managers.auxiliary_output import append_auxiliary_output
 from sglang.srt.runtime_context import get_spec
-from sglang.srt.speculative import eagle_worker_common as _ewc
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, HostCandidates, RoundStats,
                                  StepGraphs, StepOutput, on_path_from_accept_index)
 from sglang_patch.args import effective_graft_config
+from sglang_patch.containment import FollowingGate, RoundGuard
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
 from graft_spec.pipeline import GraftStats, prometheus_enabled
 from sglang_patch.kv_reserve import kept_widths
+from sglang_patch.plain_round import plain_decode_round
+from sglang_patch.request_features import plain_round_reason, speculates
 from sglang_patch.rebinding import rebound
 from sglang_patch.tree_sampling import graft_sampling
-from sglang_patch.verify_widths import WidthStates, agree_width, speculates
+from sglang_patch.verify_widths import WidthStates, agree_width
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +120,9 @@ class _RoundHost:
     stats: RoundStats
 
     def consume(self, batch, commits) -> None:
+        self.worker.guard.call("the round's host output", self._consume, batch, commits)
+
+    def _consume(self, batch, commits) -> None:
         sources = self.stats.sources.tolist()
         budget = self.worker.budget
         if budget is not None:   # before `record`, which frees the round's finished requests (their curves too)
@@ -225,12 +233,22 @@ class GraftDraftWorker(EagleDraftWorker):
         if injected is not host:   # fault injection scrambled this rank's host proposals: price them anew
             host, retrieved = injected, None
         sampled = self.graft.sampled_rows(batch)
-        if self.graft.step_graphs is not None:
-            out = self.graft.step_graphs.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
+        graft = self.graft
+
+        def build() -> StepOutput:
+            graft.guard.inject()
+            if graft.guard.off:   # speculation off (no plain width to switch to): a tree that proposes nothing
+                return padding()
+            if graft.step_graphs is not None:
+                return graft.step_graphs.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
                                                num_nodes=num_draft_tokens)
-        else:
-            out = self.graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
-                                           num_nodes=num_draft_tokens, retrieved=retrieved)
+            return graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
+                                       num_nodes=num_draft_tokens, retrieved=retrieved)
+
+        def padding() -> StepOutput:
+            return StepOutput.padding(roots, batch.seq_lens, num_draft_tokens, graft.planner.calibrator.table)
+
+        out = graft.guard.call("the graft step", build, fallback=padding)
         group = self.graft.tp_group()
         if group is not None:  # every rank verifies the first rank's tree (one broadcast)
             packed, gain = out.pack(), out.gain
@@ -260,14 +278,6 @@ def _layout(out: StepOutput, batch, target_worker, tree_mask_mode, topk: int, st
         numel = tree_mask_numel(mode, bs, n, total)
     return build_graft_verify_input(out, batch.seq_lens, mode=mode, topk=topk, steps=steps,
                                     mask_buffer=buffer, fill_prefix=fill, full_mask_numel=numel)
-
-
-def _path_already_in_front(batch, accept_index, accept_lens, predict, *args, **kwargs):
-    """Stands in for ``eagle_worker_common._finalize_accept_tree_path`` (:492) in a plain round: a
-    root-only tree's accepted path is its root, already at the front of its one-slot block, so the
-    compaction (a KV move onto the same slots, two gathers into copies) is an identity; ``predict``
-    is returned as is."""
-    return predict
 
 
 def _gated_select(select, gate, bs: int):
@@ -333,16 +343,20 @@ class GraftWorker(EAGLEWorkerV2):
         self.planner = GraftPlanner(self.config, vocab_size=vocab, device=self.device, max_batch=max_bs)
         #: server-wide statistics (``/server_info``, and ``/metrics`` with ``--enable-metrics``)
         self.stats = GraftStats(prometheus=prometheus_enabled())
+        #: containment of graft's own round code (`sglang_patch.containment`)
+        self.guard = RoundGuard(on_failure=self.stats.record_failure)
         #: the verify widths this server builds: the config's, less those the KV reserve dropped
         self.widths = widths = kept_widths(self.config.verify_widths)
         #: the batch budget (None: one width, N, every round)
         self.budget = BatchBudget(widths, self.config.batch_budget) if len(widths) > 1 else None
         #: per-request host state; a freed request's gain curve leaves the budget with it
-        self.requests = GraftRequestTracker(self.planner, on_free=self.budget.forget if self.budget else None)
+        self.requests = GraftRequestTracker(self.planner, on_free=self.budget.forget if self.budget else None,
+                                            return_sources=self.config.return_sources)
         self.width_states = WidthStates(self)
-        #: plain rounds' skipped draft extends and their catch-up (None: every plain round extends)
-        self.deferred = (DeferredDraftExtend(max(widths), self.device)
-                         if self.budget is not None and self.config.batch_budget.defer_draft_extend else None)
+        #: plain rounds' skipped draft extends and their catch-up: over up to N plain rounds' tokens,
+        #: or (``defer_draft_extend: false``) over each plain round's token before the next round
+        self.deferred = (DeferredDraftExtend(max(widths) if self.config.batch_budget.defer_draft_extend else 1,
+                                             self.device) if self.budget is not None else None)
         #: the graft step's CUDA graphs (`init_cuda_graphs`; None: the step runs eagerly)
         self.step_graphs: Optional[StepGraphs] = None
         self._launch: Optional[tuple] = None        # (width, batch size, perf_counter) of the last decode launch
@@ -391,8 +405,11 @@ class GraftWorker(EAGLEWorkerV2):
     # ------------------------------------------------------------------ per round (host side)
     def host_candidates(self, batch) -> HostCandidates:
         """Sync the host sources with the batch's requests and upload their proposals (and their
-        opt-out flags)."""
-        return self.planner.host_candidates(self.requests.prepare(batch.reqs), [speculates(r) for r in batch.reqs])
+        opt-out flags); when that fails (contained), rows without host proposals."""
+        speculate = [speculates(r) for r in batch.reqs]
+        return self.guard.call(
+            "the host proposals", lambda: self.planner.host_candidates(self.requests.prepare(batch.reqs), speculate),
+            fallback=lambda: self.planner.no_host_candidates([r.rid for r in batch.reqs], speculate))
 
     @staticmethod
     def sampled_rows(batch) -> torch.Tensor:
@@ -400,6 +417,13 @@ class GraftWorker(EAGLEWorkerV2):
         return batch.sampling_info.top_ks.reshape(-1) > 1
 
     def stop_gate(self, batch):
+        """`_stop_gate`, contained: when it fails the round drafts the full depth (with TP, following
+        the first rank's stop decisions, `FollowingGate`)."""
+        group = self.tp_group()
+        return self.guard.call("the stop gate", self._stop_gate, batch,
+                               fallback=lambda: (FollowingGate(self._agree) if group is not None else None, None))
+
+    def _stop_gate(self, batch):
         """``(gate, host)`` for a round drafted eagerly: the stop gate (None when disabled, or for a
         sampled batch under checkpoints with rejection sampling) and, with the expected-gain gate, the
         host proposals, prepared here because the gate needs them before drafting (else None: they
@@ -427,7 +451,7 @@ class GraftWorker(EAGLEWorkerV2):
     # ------------------------------------------------------------------ scheduler hooks
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         """Free the request's graft state (``batch_result_processor.py:1442``)."""
-        self.requests.finish(rid)   # the budget's gain curve goes with it (``on_free``)
+        self.guard.call("freeing a request's graft state", self.requests.finish, rid)   # its gain curve too
 
     # ------------------------------------------------------------------ batch budget
     def init_cuda_graphs(self):
@@ -457,60 +481,73 @@ class GraftWorker(EAGLEWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         """``EAGLEWorkerV2.forward_batch_generation`` with the round's verify width chosen first."""
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
+        if decode:
+            self.guard.next_round()
         if self.budget is not None:
             if decode:
                 self._choose_width(batch)
             else:
                 self._launch = None  # a prefill in between: the next decode launch is not a round time
-        defer = (contextlib.nullcontext() if not decode or self.deferred is None or self.speculative_num_steps
-                 else rebound(self._draft_worker, "_draft_extend_for_decode", self._defer_draft_extend))
-        with defer:
-            return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
-                                                    pp_proxy_tensors=pp_proxy_tensors)
+        if decode and self.budget is not None and self.speculative_num_draft_tokens == 1:
+            return self._plain_round(batch, on_publish, grammar_barrier)
+        return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier,
+                                                pp_proxy_tensors=pp_proxy_tensors)
+
+    def _plain_round(self, batch, on_publish, grammar_barrier):
+        """Width 1: SGLang's decode step (`sglang_patch.plain_round`); graft only records the draft
+        extend it skips (`DeferredDraftExtend.record`) and counts the round on the host."""
+        result = plain_decode_round(self._target_worker, batch, self.req_to_token_pool.req_to_token,
+                                    on_publish=on_publish, grammar_barrier=grammar_barrier,
+                                    keep_draft_state=on_publish is None)
+        out = result.logits_output
+        bs = len(batch.reqs)
+
+        def bookkeeping() -> None:
+            self.deferred.record(batch.req_pool_indices, batch.seq_lens, result.next_token_ids, out.hidden_states,
+                                 self.req_to_token_pool.req_to_token.shape[0])
+            self.budget.observe((), None, (1,) * bs, width=1)
+            self.stats.record_plain(bs)
+
+        self.guard.call("the plain round's bookkeeping", bookkeeping)
+        if not batch.return_hidden_states:   # the draft's input only: not copied to the host
+            out.hidden_states = None
+        return result
 
     def _choose_width(self, batch) -> None:
+        """The round's verify width (the first rank's, on every rank), the draft's catch-up when the
+        round drafts or a request's deferred window is full, and the width's runtime state. A failing
+        choice or catch-up plan is contained (`RoundGuard`): the round is plain."""
         now = time.perf_counter()
-        if self._launch is not None:
-            width, bs, start = self._launch
-            self.budget.round_time(width, bs, now - start)
         reqs = batch.reqs
-        width = self.budget.choose([r.rid for r in reqs], [speculates(r) for r in reqs])
+        guard = self.guard
+
+        def choose() -> int:
+            if self._launch is not None:
+                width, bs, start = self._launch
+                self.budget.round_time(width, bs, now - start)
+            if guard.off:
+                return self.budget.plain(len(reqs), "speculation off")
+            exact = next((why for why in map(plain_round_reason, reqs) if why), None)
+            if exact is not None:   # SGLang's decode step serves it exactly (sglang_patch/request_features.py)
+                return self.budget.plain(len(reqs), exact)
+            return self.budget.choose([r.rid for r in reqs], [speculates(r) for r in reqs])
+
+        width = guard.call("the width choice", choose, fallback=lambda: 1)
         group = self.tp_group()
         if group is not None:
             width = agree_width(group, width)
-        counts = self.deferred.plan([r.rid for r in reqs], width) if self.deferred is not None else None
+        counts = guard.call("the draft catch-up plan", self.deferred.plan, [r.rid for r in reqs], width)
         if counts is not None:
             self.width_states.activate(self.deferred.width)
-            self.deferred.catch_up(self._draft_worker, batch, counts, self.req_to_token_pool.req_to_token)
+            waited = self.deferred.catch_up(self._draft_worker, batch, counts, self.req_to_token_pool.req_to_token)
+            if waited is not None:   # the plain rounds' tokens reach the token history too
+                self.planner.append_committed(batch.req_pool_indices, *waited)
             done = time.perf_counter()   # the catch-up is charged to the plain rounds it covers, not to this one
             self.budget.catch_up_time(len(reqs), max(counts), done - now)
             now = done
         self.width_states.activate(width)
         self.stats.record_width(width, len(reqs))
         self._launch = (width, len(reqs), now)
-
-    def _build_trivial_verify_input(self, batch):
-        """Width 1 (SGLang's ``steps = 0`` round, ``eagle_worker_v2.py:1677``): a root-only graft tree,
-        so the round's bookkeeping (token history) runs as for a speculative one."""
-        if batch.forward_mode.is_idle():
-            return super()._build_trivial_verify_input(batch)
-        bs = batch.seq_lens.shape[0]
-        # host sources kept current (no catch-up burst when speculation resumes), and a request that
-        # decodes only in plain rounds is still tracked, counted and freed (`note_request_finished`)
-        self.requests.prepare(batch.reqs)
-        out = self.planner.plain(batch.spec_info.bonus_tokens.reshape(bs).to(torch.int64), batch.seq_lens)
-        return _layout(out, batch, self._target_worker, _ev2.default_tree_mask_mode(), self.topk, 0)
-
-    def _defer_draft_extend(self, batch, batch_result, *, kv_loc_plan=None) -> None:
-        """Stands in for ``EagleDraftWorker._draft_extend_for_decode`` in a plain round: the extend's
-        inputs wait in `DeferredDraftExtend` and the next draft input gets SGLang's shape-valid
-        stubs (``_stub_skipped_draft_extend``, eagle_worker_v2.py:1733); the catch-up before the next
-        drafting round replaces them."""
-        del kv_loc_plan  # bound for decode rounds only (`forward_batch_generation`), never idle ones
-        self.deferred.record(batch.req_pool_indices, batch_result.next_token_ids,
-                             batch_result.logits_output.hidden_states,
-                             self.req_to_token_pool.req_to_token.shape[0])
-        self._stub_skipped_draft_extend(batch, batch_result)
 
     def clear_cache_pool(self):
         """SGLang's ``/flush_cache`` hook (``scheduler.py:5531``, idle scheduler only): the planner
@@ -533,13 +570,11 @@ class GraftWorker(EAGLEWorkerV2):
         self._slots()
         slots = batch.req_pool_indices
         if self.deferred is not None:  # the prefill ran its own draft extend
-            self.deferred.reset(slots)
             self.deferred.forget([r.rid for r in batch.reqs])
         # each request's context (host lists; prefill only, not the decode path), then its first token
-        self.planner.prefill([r.rid for r in batch.reqs], slots,
-                             [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs], first,
-                             batch.input_ids, getattr(batch, "extend_lens", None),
-                             [tenant_of(r) for r in batch.reqs])
+        self.guard.call("the prefill's graft state", self.planner.prefill, [r.rid for r in batch.reqs], slots,
+                        [list(r.origin_input_ids) + list(r.output_ids) for r in batch.reqs], first,
+                        batch.input_ids, getattr(batch, "extend_lens", None), [tenant_of(r) for r in batch.reqs])
         return result
 
     # ------------------------------------------------------------------ verify
@@ -547,15 +582,11 @@ class GraftWorker(EAGLEWorkerV2):
         """EAGLE verify of the hybrid tree (sampled requests by graft's tree sampling, without the zero
         draft-probability tensor: `sglang_patch.tree_sampling`), then the round's device bookkeeping."""
         verify_input = batch.spec_info
-        plain = self.speculative_num_draft_tokens == 1
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(graft_sampling())
-            if plain:
-                stack.enter_context(rebound(_ewc, "_finalize_accept_tree_path", _path_already_in_front))
+        with graft_sampling():
             result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if (isinstance(verify_input, GraftVerifyInput) and verify_input.graft_out is not None
                 and not batch.forward_mode.is_idle()):
-            self._after_verify(batch, verify_input, result)
+            self.guard.call("the round's bookkeeping", self._after_verify, batch, verify_input, result)
         return result
 
     def _after_verify(self, batch, vi: GraftVerifyInput, result) -> None:

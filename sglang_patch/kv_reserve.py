@@ -1,4 +1,4 @@
-"""The batch budget's verify widths reserved before SGLang sizes the KV cache.
+"""The batch budget's verify widths and graft's retrieval state reserved before SGLang sizes the KV cache.
 
 SGLang sizes the KV pool from the device memory left after the weights
 (``KVCacheConfigurator._profile_available_bytes``, ``mem_cache/kv_cache_configurator.py:2990``);
@@ -8,7 +8,10 @@ An ``AFTER`` hook on that method, in the target's scheduler process of a graft s
 budget has more than one width, takes the widths' reserve off the profiled bytes before the pool is
 sized, so the pool is smaller by exactly the reserve.
 
-The reserve per extra width is ``batch_budget.width_reserve_mib`` when set, else an estimate
+The planner's device state comes off first (`GraftPlanner.state_bytes`: one successor table per
+isolation group, ``retrieval.max_tenants`` of them by default, the output index, the token history);
+when it would take more than half of the profiled bytes the server does not start (a message names
+the fields that size it). The reserve per extra width is ``batch_budget.width_reserve_mib`` when set, else an estimate
 (`estimate_width_bytes`: the formulas of `sglang_patch.memory`, for the server's attention backend,
 graph batch size and context). When the extra widths would take more than half of the profiled
 bytes, the budget narrows itself: the widest extra widths are dropped until the rest fits, with a
@@ -96,10 +99,14 @@ def reserve_after_profile(result: int, configurator, *args, **kwargs) -> int:
     """``AFTER`` hook of `TARGET`: ``result`` (bytes) minus the reserve of graft's extra widths, on
     the target of a graft server with the batch budget on; ``result`` unchanged elsewhere and on
     any error (logged: the reserve must never stop a server that would otherwise start)."""
+    from sglang_patch.args import GraftSettingsError
+
     try:
         if configurator.is_draft_worker or _algorithm(configurator) != "GRAFT":
             return result
         return _reserve(int(result), configurator)
+    except GraftSettingsError:
+        raise   # graft's own state does not fit: the server must not start
     except Exception as exc:  # noqa: BLE001
         logger.warning("graft: no KV reserve for the batch budget's widths (%r)", exc)
         return result
@@ -122,9 +129,9 @@ def _reserve(available: int, configurator) -> int:
 
     sa = resolving_view(configurator.server_args)
     cfg = effective_graft_config(sa)
+    state = _planner_state(cfg, configurator, sa, available)
+    available -= sum(state.values())
     widths = cfg.verify_widths
-    if len(widths) <= 1:
-        return available
     n = cfg.num_draft_tokens
     if cfg.batch_budget.width_reserve_mib is not None:
         per_width = {w: cfg.batch_budget.width_reserve_mib * MIB for w in widths}
@@ -137,12 +144,15 @@ def _reserve(available: int, configurator) -> int:
                                              context=int(configurator.model_config.context_len)) for w in widths}
         source = "estimate"
     plan = plan_reserve(available, widths, n, per_width)
-    plan.update(profiled_bytes=available, kv_bytes=available - plan["reserve_bytes"], source=source)
+    profiled = available + sum(state.values())
+    plan.update(profiled_bytes=profiled, kv_bytes=available - plan["reserve_bytes"], source=source,
+                planner_state_bytes=state)
+    plan["reserve_bytes"] += sum(state.values())   # the planner's state came off the KV bytes too
     try:  # accounting only: the KV tokens SGLang's configurator gives with and without the reserve
         from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
         pool, page = create_memory_pool_configurator(configurator), configurator.page_size
-        plan["kv_tokens_without_reserve"] = int(pool.calculate_pool_sizes(available, page).max_total_num_tokens)
+        plan["kv_tokens_without_reserve"] = int(pool.calculate_pool_sizes(profiled, page).max_total_num_tokens)
         plan["kv_tokens"] = int(pool.calculate_pool_sizes(plan["kv_bytes"], page).max_total_num_tokens)
     except Exception as exc:  # noqa: BLE001
         logger.debug("graft: KV tokens of the reserve not computed (%r)", exc)
@@ -153,10 +163,35 @@ def _reserve(available: int, configurator) -> int:
                        "for the KV cache; building widths %s only (dropped %s). Set batch_budget.widths, or "
                        "raise --mem-fraction-static", list(widths), int(MAX_SHARE * 100), available // MIB,
                        plan["widths"], plan["dropped"])
-    logger.info("graft: %d MiB of the %d MiB profiled for the KV cache reserved for verify widths %s (%s: %s)",
-                plan["reserve_bytes"] // MIB, available // MIB, [w for w in plan["widths"] if w != n], source,
-                {w: b // MIB for w, b in plan["by_width"].items()})
+    logger.info("graft: %d MiB of the %d MiB profiled for the KV cache reserved for verify widths %s (%s: %s) "
+                "and graft's retrieval state (%s)", plan["reserve_bytes"] // MIB, profiled // MIB,
+                [w for w in plan["widths"] if w != n], source, {w: b // MIB for w, b in plan["by_width"].items()},
+                {k: f"{v / MIB:.1f} MiB" for k, v in state.items()})
     return plan["kv_bytes"]
+
+
+def _planner_state(cfg, configurator, sa, available: int) -> Dict[str, int]:
+    """The planner's device state (`GraftPlanner.state_bytes`: the successor table of every isolation
+    group, the output index, the token history) for this server.
+
+    Raises:
+        GraftSettingsError: it would take more than `MAX_SHARE` of the profiled KV bytes (names the
+            fields that size it).
+    """
+    from graft_spec.pipeline import GraftPlanner
+
+    from sglang_patch.args import GraftSettingsError
+
+    max_bs = int(getattr(sa, "max_running_requests", None) or 1)
+    state = GraftPlanner.state_bytes(cfg, int(configurator.model_config.vocab_size), max_bs, max_bs + 1)
+    if sum(state.values()) > MAX_SHARE * max(available, 0):
+        r = cfg.retrieval
+        raise GraftSettingsError(
+            f"graft's retrieval state needs {sum(state.values()) // MIB} MiB ({ {k: v // MIB for k, v in state.items()} } "
+            f"MiB), more than {int(MAX_SHARE * 100)}% of the {available // MIB} MiB left for the KV cache: lower "
+            f"retrieval.max_tenants ({r.max_tenants}, one successor table each) or retrieval.outputs_max_tokens "
+            f"({r.outputs_max_tokens}), or raise --mem-fraction-static")
+    return state
 
 
 def kept_widths(widths: Sequence[int]) -> tuple[int, ...]:

@@ -19,9 +19,11 @@ def register() -> None:
     from sglang_patch.registration import register_graft
     from sglang_patch.request_guard import register_request_guard
     from sglang_patch.server_stats import register_server_stats
+    from sglang_patch.bench.op_census import register_op_census
 
     install_cpu_layer()
     register_graft()
     register_server_stats()  # GET /server_info -> internal_states[i]["graft"]
     register_kv_reserve()  # the batch budget's widths come off the KV cache before it is sized
     register_request_guard()  # 400 instead of a scheduler crash for empty / out-of-vocab prompts
+    register_op_census()  # only with GRAFT_OP_CENSUS set (python -m sglang_patch.bench.op_census)

@@ -11,8 +11,8 @@ afterwards, also on error. The points (file:line of SGLang 0.5.23's ``srt/specul
 | ``eagle_worker_v2.organize_draft_results`` | ``eagle_worker_v2.py:919`` | ``GraftWorker.draft_forward`` | capture the dense draft tree |
 | ``eagle_worker_v2.select_top_k_tokens`` | ``eagle_worker_v2.py:812`` | ``GraftWorker.draft_forward`` (eager) | the draft stop gate |
 | the draft runner's ``forward`` | ``eagle_worker_v2.py`` draft loop | ``GraftWorker.draft_forward`` (eager) | count / skip draft forwards |
-| the draft worker's ``_draft_extend_for_decode`` | ``eagle_worker_v2.py:1110`` | plain rounds | deferred draft extend |
-| ``eagle_worker_common._finalize_accept_tree_path`` | ``eagle_worker_common.py:492`` | plain rounds' verify | identity for a root-only tree |
+| the target model runner's ``spec_algorithm`` (NONE) | ``decode_cuda_graph_runner.py:362``, ``base_runner.py:510`` | a plain round's forward, its decode graphs' capture (`sglang_patch.plain_round`) | SGLang's decode path in a speculative server |
+| ``eagle_worker_v2.DecodeCudaGraphRunner`` | ``eagle_worker_v2.py:1811`` | building the width-1 state (`sglang_patch.verify_widths`) | decode graphs (`PlainDecodeGraphRunner`) instead of one-node verify graphs |
 | ``eagle_utils.tree_speculative_sampling_target_only``, ``eagle_utils.torch`` | ``eagle_utils.py:744-748`` | graft's verify (`sglang_patch.tree_sampling`) | sampled verify without the zero tensor |
 | the draft worker's ``init_attention_backend``, ``eagle_worker_v2.EAGLEDraftCudaGraphRunner`` / ``EAGLEDraftNpuGraphRunner`` | ``eagle_worker_v2.py:1792-1793``, ``:488-491`` | building a width's state (`sglang_patch.verify_widths`) | one draft decode backend and graph set for every width >= 2 |
 

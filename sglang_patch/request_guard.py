@@ -1,4 +1,4 @@
-"""Reject prompts that crash SGLang 0.5.23's scheduler with a 400 instead.
+"""Reject prompts that crash SGLang 0.5.23's scheduler, and requests a graft server refuses, with a 400.
 
 SGLang validates sampling parameters and lengths in the tokenizer manager (400 answers), and
 rejects ``"input_ids": []``, but not the tokens of a prompt. These inputs reach the model and kill
@@ -9,6 +9,9 @@ speculative decoding (checked on CPU with the quick models):
   ``logits_processor.py:723`` indexes the hidden states of an empty extend (``IndexError``);
 * a negative token id, or one ``>= vocab_size`` (``input_ids``, or a token-id prompt on
   ``/v1/completions``): out-of-range embedding lookup.
+
+On a graft server (``--speculative-algorithm graft``) the same hook refuses a non-boolean
+``custom_params.graft_speculate`` and ``return_hidden_states`` (`graft_request_problem`).
 
 (tests/serving/test_serving_faults.py sends each one; docs/serving.md lists the behaviour.)
 
@@ -23,6 +26,8 @@ are left alone (their ids may hold placeholder values). Registered from
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+from sglang_patch.request_features import OPT_OUT_KEY
 
 #: SGLang 0.5.23 per-request validation after tokenization.
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
@@ -49,8 +54,29 @@ def prompt_problem(input_ids: Optional[Sequence[int]], vocab_size: Optional[int]
     return None
 
 
+def graft_request_problem(obj) -> Optional[str]:
+    """Why a graft server refuses the request ``obj`` (``GenerateReqInput`` of one request), or None:
+    a ``custom_params.graft_speculate`` that is not a JSON boolean (a string "false" would be taken as
+    true), or ``return_hidden_states`` (a plain round's target forward returns the EAGLE-3 capture
+    layers' states, not the last layer's that SGLang returns without speculation)."""
+    params = getattr(obj, "sampling_params", None)
+    custom = params.get("custom_params") if isinstance(params, dict) else getattr(params, "custom_params", None)
+    if isinstance(custom, dict) and OPT_OUT_KEY in custom and not isinstance(custom[OPT_OUT_KEY], bool):
+        return (f"sampling_params.custom_params.{OPT_OUT_KEY} must be true or false, got "
+                f"{custom[OPT_OUT_KEY]!r}")
+    if getattr(obj, "return_hidden_states", False):
+        return "return_hidden_states is not supported with --speculative-algorithm graft"
+    return None
+
+
+def _is_graft_server(manager) -> bool:
+    algo = getattr(getattr(manager, "server_args", None), "speculative_algorithm", None)
+    return isinstance(algo, str) and algo.upper() == "GRAFT"
+
+
 def check_prompt_tokens(manager, obj, input_ids, *args, **kwargs):
-    """``BEFORE`` hook: raise ``ValueError`` (HTTP 400) for a prompt that would crash the model.
+    """``BEFORE`` hook: raise ``ValueError`` (HTTP 400) for a prompt that would crash the model, and on
+    a graft server for a request it refuses (`graft_request_problem`).
 
     Args:
         manager: the ``TokenizerManager`` (``model_config.vocab_size``).
@@ -59,8 +85,12 @@ def check_prompt_tokens(manager, obj, input_ids, *args, **kwargs):
     Returns:
         None (arguments unchanged).
     Raises:
-        ValueError: empty prompt, or a token id outside ``[0, vocab_size)``.
+        ValueError: empty prompt, a token id outside ``[0, vocab_size)``, or (graft) a refused request.
     """
+    if _is_graft_server(manager):
+        problem = graft_request_problem(obj)
+        if problem is not None:
+            raise ValueError(f"Invalid request: {problem}.")
     if getattr(obj, "input_embeds", None) is not None:
         return None
     multimodal = any(getattr(obj, f, None) for f in _MM_FIELDS)

@@ -134,6 +134,9 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
         out["batch_budget"]["deferred_draft_extend"] = {
             "skipped": deferred.deferred, "catch_ups": deferred.catch_ups, "memory_bytes": deferred.memory_bytes()}
     out["memory_beyond_eagle3"] = _safe(lambda: memory_beyond_eagle3(worker))
+    out["round_failures"] = _safe(lambda: worker.guard.summary())
+    out["planner_state"] = _safe(lambda: planner.state_counts())
+    out["plain_round"] = "decode"   # a width-1 round runs SGLang's decode step (sglang_patch/plain_round.py)
     cfg = _safe(lambda: planner.config.retrieval)
     if cfg is not None:
         out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,

@@ -4,9 +4,11 @@ Each verify width ``w`` of ``GraftConfig.verify_widths`` is one SGLang ``SpecRun
 (``speculative/adaptive_runtime_state.py``): draft and target attention backends and their CUDA
 graphs captured for ``w`` verify tokens per request. They are built once at startup, after SGLang's
 own capture (``EAGLEWorkerV2.build_adaptive_runtime_state``, ``eagle_worker_v2.py:1777``), and a
-round switches between them before it starts (``apply_runtime_state``, :1862). Width 1 is SGLang's
-own ``steps = 0`` state: no drafting, the root alone is verified (a plain decode step, whose draft
-extend still runs so the draft KV stays warm); every other width drafts the full depth.
+round switches between them before it starts (``apply_runtime_state``, :1862). Width 1 is a plain
+round, SGLang's own decode step (`sglang_patch.plain_round`): its state is SGLang's ``steps = 0``
+state with the target's graphs captured in ``DECODE`` mode (`PlainDecodeGraphRunner`, in place of the
+``DecodeCudaGraphRunner`` looked up at ``eagle_worker_v2.py:1811``); every other width drafts the
+full depth.
 
 One state per distinct shape: the draft decode backend and its CUDA graphs depend on the draft depth
 and top-k only (``DraftBackendFactory(draft_runner, topk, speculative_num_steps)``, :396; the graph
@@ -41,11 +43,13 @@ from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
 from sglang_patch.kv_reserve import check_built
+from sglang_patch.plain_round import PlainDecodeGraphRunner
+
 from sglang_patch.rebinding import rebound
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OPT_OUT_KEY", "speculates", "WidthStates", "agree_width", "QuietSwitches", "tensor_bytes"]
+__all__ = ["WidthStates", "agree_width", "QuietSwitches", "tensor_bytes"]
 
 #: Start of SGLang's per-switch INFO line (``eagle_worker_v2.py:1866``).
 SWITCH_MESSAGE = "Switch adaptive runtime state"
@@ -94,17 +98,6 @@ def tensor_bytes(objs, _seen=None) -> int:
         visit(o, 3)
     return total
 
-#: ``sampling_params.custom_params`` key: ``{"graft_speculate": false}`` opts a request out of
-#: speculation (its tree carries no candidate; a batch of opted-out requests runs plain decode steps).
-OPT_OUT_KEY = "graft_speculate"
-
-
-def speculates(req) -> bool:
-    """False when the request asked for no speculation (``custom_params[OPT_OUT_KEY] is False``)."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return not (isinstance(params, dict) and params.get(OPT_OUT_KEY) is False)
-
-
 class WidthStates:
     """One ``SpecRuntimeState`` per verify width of a `GraftWorker` (``EAGLEWorkerV2``).
 
@@ -147,7 +140,11 @@ class WidthStates:
                 share = (steps == full.speculative_num_steps and not _ev2._is_musa
                          and not _ev2.current_platform.is_out_of_tree())
                 before = _device_bytes(w.device)
-                with _sharing_draft_decode(dw, full) if share else contextlib.nullcontext():
+                with contextlib.ExitStack() as stack:
+                    if share:
+                        stack.enter_context(_sharing_draft_decode(dw, full))
+                    if width == 1:   # plain rounds replay decode graphs, not one-node verify graphs
+                        stack.enter_context(rebound(_ev2, "DecodeCudaGraphRunner", PlainDecodeGraphRunner))
                     state = w.build_adaptive_runtime_state(
                         speculative_num_steps=steps, speculative_num_draft_tokens=width, cuda_graph_bs=cuda_graph_bs)
                 self.states[width] = state

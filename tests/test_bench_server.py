@@ -37,11 +37,11 @@ def test_paired_windows_measure_both_servers(quick_models, tmp_path):
     rc = paired(["--target", str(quick_models.target), "--draft", str(quick_models.draft),
                  "--prompts", str(Path(__file__).parents[1] / "data" / "humaneval_dev.jsonl"),
                  "--concurrency", "2", "--reps", "2", "--window-s", "2", "--settle-s", "1", "--max-tokens", "8",
-                 "--json", str(out)])
+                 "--modes", "greedy", "--json", str(out)])
     data = json.loads(out.read_text())
     assert rc == 0
     assert [(w["method"], w["rep"]) for w in data["windows"]] == \
         [("nospec", 0), ("graft_plain", 0), ("graft_plain", 1), ("nospec", 1)]   # ABBA
     assert all(w["tokens_per_s"] > 0 for w in data["windows"])
-    plain = data["pairs"]["2"]["graft_plain"]
+    plain = data["pairs"]["greedy c2"]["graft_plain"]
     assert len(plain["ratios"]) == 2 and plain["min_ratio"] <= plain["median_ratio"] <= plain["max_ratio"]

@@ -189,13 +189,16 @@ def test_paired_ratios_pair_windows_of_the_same_repetition():
         ("nospec", 1, 0, 40.0), ("graft_plain", 1, 0, 40.0), ("nospec", 1, 1, 20.0), ("graft_plain", 1, 1, 18.0),
         ("nospec", 1, 2, 30.0), ("graft_plain", 1, 2, 33.0),
         ("nospec", 8, 0, 100.0), ("graft_plain", 8, 0, 80.0)]]
+    w.append({"method": "nospec", "mode": "sampled", "concurrency": 8, "rep": 0, "tokens_per_s": 50.0})
+    w.append({"method": "graft_plain", "mode": "sampled", "concurrency": 8, "rep": 0, "tokens_per_s": 45.0})
     out = paired_ratios(w)
-    plain = out["1"]["graft_plain"]
+    assert list(out) == ["greedy c1", "greedy c8", "sampled c8"]   # a window without a mode is greedy
+    plain = out["greedy c1"]["graft_plain"]
     # per pair 1.0, 0.9, 1.1 (a ratio of medians would read 36/30 = 1.2 here)
     assert plain["ratios"] == [1.0, 0.9, 1.1] and plain["median_ratio"] == 1.0
     assert (plain["min_ratio"], plain["max_ratio"]) == (0.9, 1.1) and plain["median_tokens_per_s"] == 33.0
-    assert "ratios" not in out["1"]["nospec"] and out["1"]["nospec"]["median_tokens_per_s"] == 30.0
-    assert out["8"]["graft_plain"]["ratios"] == [0.8]
+    assert "ratios" not in out["greedy c1"]["nospec"] and out["greedy c1"]["nospec"]["median_tokens_per_s"] == 30.0
+    assert out["greedy c8"]["graft_plain"]["ratios"] == [0.8] and out["sampled c8"]["graft_plain"]["ratios"] == [0.9]
     with pytest.raises(ValueError, match="no nospec window"):
         paired_ratios(w + [{"method": "graft_plain", "concurrency": 8, "rep": 1, "tokens_per_s": 1.0}])
 

@@ -25,8 +25,10 @@ def _planner(n=24, topk=4, depth=4, **budget):
 def test_default_widths_and_validation():
     assert GraftConfig().verify_widths == (1, 12, 24)
     assert GraftConfig(num_draft_tokens=60, topk=10, depth=7).verify_widths == (1, 30, 60)
-    assert GraftConfig(batch_budget={"enabled": False}).verify_widths == (24,)
+    # a plain round is always possible: batches that need the engine's exact decode step run it
+    assert GraftConfig(batch_budget={"enabled": False}).verify_widths == (1, 24)
     assert GraftConfig(batch_budget={"widths": [1, 8]}).verify_widths == (1, 8)
+    assert GraftConfig(batch_budget={"widths": [8, 24]}).verify_widths == (1, 8, 24)
     for bad in ([8, 1], [1, 1, 8], [0, 8], [1, 25]):
         with pytest.raises(ValidationError, match="batch_budget.widths"):
             GraftConfig(batch_budget={"widths": bad})
@@ -81,18 +83,16 @@ def test_buffer_carries_the_opt_out_flag():
     assert (host.member[0] >= 0).any() and not (host.member[1] >= 0).any()
 
 
-def test_plain_round_appends_to_the_history_and_prices_nothing():
+def test_committed_tokens_outside_a_round_reach_the_history():
+    """`GraftPlanner.append_committed` (an engine's plain decode steps, caught up in one call):
+    the first ``lens[b]`` tokens of each row join its slot's history, in order."""
     planner, _ = _planner()
-    roots = torch.tensor([7, 9])
     slots = torch.tensor([0, 1])
-    out = planner.plain(roots, torch.tensor([3, 4]))
-    assert out.tree.tokens.shape == (2, 1) and out.mask.shape == (2, 1, 1)
-    on_path = on_path_from_accept_index(torch.tensor([[0], [1]]), 1)
-    committed = torch.tensor([[11], [12]])
-    stats = planner.observe(out, on_path, None, committed, torch.tensor([1, 1]), slots)
-    assert stats.expected is None and stats.sources.shape == (2, 0)
+    planner.append_committed(slots, torch.tensor([[11, 13, 0], [12, 0, 0]]), torch.tensor([2, 1]))
+    planner.append_committed(slots, torch.tensor([[15, 0, 0], [0, 0, 0]]), torch.tensor([1, 0]))
     hist, count = planner.history.gather(slots)
-    assert hist[:, -1].tolist() == [11, 12] and count.tolist() == [1, 1]
+    assert hist[0, -3:].tolist() == [11, 13, 15] and hist[1, -1].tolist() == 12
+    assert count.tolist() == [3, 1]
 
 
 def test_round_stats_carry_expected_accept_per_width():

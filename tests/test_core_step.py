@@ -644,34 +644,60 @@ def test_isolation_keeps_one_tenants_text_from_anothers_tree(isolation, leaks):
     assert 77 in out_a.tree.tokens[0].tolist()
 
 
-def test_group_map_reuses_the_least_recently_used_group_and_resets_it():
-    from graft_spec.pipeline import GroupMap
+def test_a_key_that_finds_every_group_held_gets_private_state():
+    """max_tenants 1: while A runs, B's requests get `PRIVATE_GROUP`: its tree proposes nothing A's
+    traffic taught the successor table, its own verified rounds teach the table nothing, and A's
+    group is not handed over (A still proposes its continuation). Once A stops, a new key takes the
+    group, reset."""
+    from graft_spec.pipeline import PRIVATE_GROUP
+
+    cfg = GraftConfig(num_draft_tokens=8, topk=2, depth=3, draft_nodes=False,
+                      retrieval={"suffix": False, "lookup": False, "isolation": "tenant", "max_tenants": 1})
+    planner = GraftPlanner(cfg, 100, max_batch=2, max_slots=4)
+    planner.start_request("a", [1, 2], tenant="A")
+    planner.start_request("b", [1, 2], tenant="B")
+    assert planner.group_of("a") == 0 and planner.group_of("b") == PRIVATE_GROUP
+
+    def round_of(rid, slot, teach):
+        out = planner.build(dense_inputs(1, 2, 3, 100, 0, "cpu", torch.Generator().manual_seed(slot))[0],
+                            torch.tensor([10]), planner.host_candidates([rid]), torch.tensor([slot]),
+                            torch.tensor([5]), torch.tensor([False]))
+        if teach is not None:
+            topk = torch.full((1, 8, 8), 5)
+            topk[0, 0, 0] = teach
+            planner.observe(out, torch.ones(1, 8, dtype=torch.bool), topk, torch.zeros(1, 8, dtype=torch.int64),
+                            torch.tensor([1]), torch.tensor([slot]))
+        return out.tree.tokens[0].tolist()
+
+    table = planner.successor.table.clone()
+    round_of("b", 1, 66)                               # B verifies a round: the table learns nothing
+    assert torch.equal(planner.successor.table, table)
+    round_of("a", 0, 77)                               # A's secret
+    assert 77 not in round_of("b", 1, None) and 77 in round_of("a", 0, None)
+    planner.stop_request("a")
+    planner.stop_request("b")
+    planner.start_request("c", [1, 2], tenant="C")
+    assert planner.group_of("c") == 0 and 77 not in round_of("c", 2, None)   # handed over, reset
+    assert planner.state_counts()["keys_held"] == 1
+
+
+def test_group_map_hands_over_idle_groups_only():
+    """A key keeps its group while a request of it runs; a new key takes a free group, else the
+    least recently used idle one (fresh), else `PRIVATE_GROUP`; request-id keys free theirs."""
+    from graft_spec.pipeline import PRIVATE_GROUP, GroupMap
 
     m = GroupMap(2)
-    assert m.get("x") == (0, True) and m.get("y") == (1, True) and m.get("x") == (0, False)
-    assert m.get("z") == (1, True)          # y was least recently used
+    assert m.acquire("x") == (0, True) and m.acquire("y") == (1, True) and m.acquire("x") == (0, False)
+    assert m.acquire("z") == (PRIVATE_GROUP, False)   # x (twice) and y are running: nothing handed over
+    m.release("y")
+    assert m.acquire("z") == (1, True)                 # y is idle now: its group goes to z, reset
     m.release("x")
-    assert m.get("w") == (0, True)
-
-
-def test_root_only_layout_equals_the_general_layout():
-    """`StepOutput.root_only` writes the one-node layout out by hand (every plain round builds one):
-    the same tensors as `StepOutput.from_tree` of that tree."""
-    from graft_spec.step import StepOutput
-    from graft_spec.tree import DraftTree
-
-    roots, seq = torch.tensor([5, 9, 2]), torch.tensor([3, 0, 17])
-    est = torch.rand(4)
-    fast = StepOutput.root_only(roots, seq, est)
-    tree = DraftTree(roots[:, None], torch.full((3, 1), -1), torch.zeros(3, 1), torch.full((3, 1), SOURCE_DRAFT))
-    ref = StepOutput.from_tree(tree, seq, est)
-    for f in ("member_bins", "depth", "positions", "mask", "first_child", "next_sibling", "estimates"):
-        a, b = getattr(fast, f), getattr(ref, f)
-        assert a.dtype == b.dtype and torch.equal(a, b), f
-    for f in ("tokens", "parents", "logp", "source"):
-        a, b = getattr(fast.tree, f), getattr(ref.tree, f)
-        assert a.dtype == b.dtype and torch.equal(a, b), f
-    assert fast.first_child.data_ptr() != fast.next_sibling.data_ptr() != fast.tree.parents.data_ptr()
+    assert m.acquire("w") == (PRIVATE_GROUP, False)   # x still has one request running
+    m.release("x")
+    assert m.acquire("w") == (0, True) and m.held() == 2
+    assert m.acquire("y") == (PRIVATE_GROUP, False)   # y's old group went to z
+    m.release("z", forget=True)
+    assert m.acquire("v") == (1, True)                 # a forgotten key's group is free at once
 
 
 @pytest.mark.parametrize("topk,steps", [(1, 1), (4, 1), (4, 4), (10, 7), (3, 5)])

@@ -134,10 +134,11 @@ def test_width_states_refuse_what_sglang_refuses_for_adaptive(flag):
     from sglang_patch.args import GraftSettingsError, refuse_width_state_combinations
 
     sa = SimpleNamespace(**{flag: True})
-    with pytest.raises(GraftSettingsError, match=f"--{flag.replace('_', '-')}.*batch_budget.enabled: false"):
+    with pytest.raises(GraftSettingsError, match=f"--{flag.replace('_', '-')}.*drop the flag"):
         refuse_width_state_combinations(sa, GraftConfig())
-    # one width (budget off): nothing is swapped, nothing refused
-    refuse_width_state_combinations(sa, GraftConfig(batch_budget={"enabled": False}))
+    # the budget off still has a plain width beside N: refused too
+    with pytest.raises(GraftSettingsError, match=f"--{flag.replace('_', '-')}"):
+        refuse_width_state_combinations(sa, GraftConfig(batch_budget={"enabled": False}))
 
 
 def test_state_switches_are_debug_lines():

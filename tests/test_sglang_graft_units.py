@@ -294,7 +294,7 @@ def test_tracker_lifecycle_meta_and_no_leak():
     from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
 
     planner = _planner()
-    tr = GraftRequestTracker(planner)
+    tr = GraftRequestTracker(planner, return_sources=True)
     a, b = _req("a", [1, 2, 3, 4], [5]), _req("b", [9, 8], [7])
     assert tr.prepare([a, b]) == ["a", "b"]
     assert tr.live() == 2 and planner.live_requests() == 2 and planner.seen("a") == 5
@@ -315,6 +315,34 @@ def test_tracker_lifecycle_meta_and_no_leak():
     tr.finish("b")
     tr.finish("never-started")
     assert tr.live() == 0 and planner.live_requests() == 0
+
+
+def test_tracker_writes_no_sources_unless_enabled():
+    """`GraftConfig.return_sources` off (the default): rounds are counted, no ``graft_src`` is written."""
+    from graft_spec.sources import SOURCE_DRAFT
+    from sglang_patch.graft_requests import META_KEY, GraftRequestTracker
+
+    tr = GraftRequestTracker(_planner())
+    a = _req("a", [1, 2, 3, 4], [5])
+    tr.prepare([a])
+    tr.record([a], [_commit(1, [6, 7])], [[SOURCE_DRAFT, -1]])
+    assert tr.states["a"].rounds == 1 and META_KEY not in (getattr(a, "customized_info", None) or {})
+
+
+def test_tracker_frees_requests_it_never_prepared():
+    """A request that finished in its prefill, or decoded in plain rounds only, was never prepared:
+    its finish still frees what its prefill gave it in the planner (its isolation group)."""
+    import torch
+
+    from sglang_patch.graft_requests import GraftRequestTracker
+
+    planner = _planner()
+    tr = GraftRequestTracker(planner)
+    planner.ensure_slots(4)
+    planner.prefill(["p"], torch.tensor([1]), [[1, 2, 3]], torch.tensor([4]), tenants=[("k", None)])
+    assert planner.state_counts()["grouped"] == 1 and planner.state_counts()["keys_held"] == 1
+    tr.finish("p")
+    assert planner.state_counts() == {"grouped": 0, "host_sources": 0, "output_index": 0, "keys_held": 0}
 
 
 def test_tracker_hands_the_final_output_to_the_output_index_at_finish():
@@ -404,8 +432,11 @@ def test_after_verify_is_device_bookkeeping_and_host_output_records_sources():
 
     worker = object.__new__(GraftWorker)
     worker.budget = BatchBudget(planner.config.verify_widths)
-    worker.planner, worker.stats = planner, GraftStats()
-    worker.requests = GraftRequestTracker(planner, on_free=worker.budget.forget)    # as GraftWorker wires it
+    from sglang_patch.containment import RoundGuard
+
+    worker.planner, worker.stats, worker.guard = planner, GraftStats(), RoundGuard()
+    # as GraftWorker wires it
+    worker.requests = GraftRequestTracker(planner, on_free=worker.budget.forget, return_sources=True)
     reqs = [_req("x", [1, 2], [10]), _req("y", [3], [20])]
     worker.requests.prepare(reqs)
     tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 0, 22]])
@@ -596,8 +627,9 @@ def test_deferred_draft_extend_catch_up_window():
     req_to_token = torch.arange(4 * 32).reshape(4, 32) + 1000           # slot of (pool row, position)
     slots = torch.tensor([2, 0])
     # row 0 (pool row 2) waits with 3 tokens, row 1 (pool row 0) with none
-    for step in range(3):
-        d.record(slots[:1], torch.tensor([10 + step]), torch.full((1, hid), float(step)), pool=4)
+    for step in range(3):   # plain rounds at roots 18, 19, 20: ring columns 2, 3, then 0 (it wraps)
+        d.record(slots[:1], torch.tensor([18 + step]), torch.tensor([10 + step]), torch.full((1, hid), float(step)),
+                 pool=4)
     seen = {}
 
     def extend(batch, result, *, kv_loc_plan=None):
@@ -612,45 +644,21 @@ def test_deferred_draft_extend_catch_up_window():
 
     spec = SimpleNamespace(topk_p=torch.zeros(2, topk), topk_index=torch.zeros(2, topk, dtype=torch.int64),
                            hidden_states=torch.zeros(2, 5))
-    batch = SimpleNamespace(req_pool_indices=slots, seq_lens=torch.tensor([20, 9]), seq_lens_cpu=torch.tensor([20, 9]),
-                            seq_lens_sum=29, out_cache_loc=torch.tensor([5, 6], dtype=torch.int64), spec_info=spec,
+    batch = SimpleNamespace(req_pool_indices=slots, seq_lens=torch.tensor([21, 9]), seq_lens_cpu=torch.tensor([21, 9]),
+                            seq_lens_sum=30, out_cache_loc=torch.tensor([5, 6], dtype=torch.int64), spec_info=spec,
                             forward_mode="DECODE", input_ids=None, prefix_lens=None, extend_lens=None,
                             extend_num_tokens=None)
-    d.catch_up(SimpleNamespace(_draft_extend_for_decode=extend), batch, [3, 0], req_to_token)
-    assert seen["seq_lens"].tolist() == [17, 9] and seen["cpu"].tolist() == [17, 9]
+    tokens, waiting = d.catch_up(SimpleNamespace(_draft_extend_for_decode=extend), batch, [3, 0], req_to_token)
+    assert tokens[0, :3].tolist() == [10, 11, 12] and waiting.tolist() == [3, 0]   # in position order
+    assert seen["seq_lens"].tolist() == [18, 9] and seen["cpu"].tolist() == [18, 9]
     assert seen["accept"].tolist() == [3, 0]
-    assert seen["loc"].tolist() == [1000 + 2 * 32 + 17, 1000 + 2 * 32 + 18, 1000 + 2 * 32 + 19, 0, 0, 0, 0, 0]
+    assert seen["loc"].tolist() == [1000 + 2 * 32 + 18, 1000 + 2 * 32 + 19, 1000 + 2 * 32 + 20, 0, 0, 0, 0, 0]
     assert seen["ids"][:3].tolist() == [10, 11, 12] and seen["select"].tolist() == [2, 4]
     assert seen["hidden"][:3, 0].tolist() == [0.0, 1.0, 2.0]
-    assert batch.forward_mode == "DECODE" and batch.seq_lens.tolist() == [20, 9] and batch.seq_lens_sum == 29
+    assert batch.forward_mode == "DECODE" and batch.seq_lens.tolist() == [21, 9] and batch.seq_lens_sum == 30
     assert batch.out_cache_loc.tolist() == [5, 6] and batch.spec_info is spec
     assert spec.topk_index.tolist() == [[7, 7], [0, 0]] and spec.hidden_states[:, 0].tolist() == [9.0, 0.0]
-    assert d.count.tolist() == [0, 0, 0, 0] and d.catch_ups == 1
-
-
-def test_a_root_only_trees_path_compaction_is_an_identity():
-    """Plain rounds skip SGLang's accepted-path compaction (``_path_already_in_front``): for a
-    one-node tree the KV move's targets equal its sources and the predict / hidden gathers return
-    their inputs, so skipping it changes nothing."""
-    from sglang.srt.speculative.eagle_worker_common import _compact_accept_to_front
-
-    from sglang_patch.cpu import cache_ops
-    from sglang_patch.graft_worker import _path_already_in_front
-
-    bs = 5
-    accept_index = torch.arange(bs, dtype=torch.int32)[:, None]        # node 0 of each one-node block
-    accept_lens = torch.ones(bs, dtype=torch.int32)
-    out_cache_loc = torch.tensor([40, 7, 13, 99, 2])
-    tgt, src = torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
-    cache_ops.fill_front_out_cache_loc_func(accept_lens, out_cache_loc, tgt)     # as move_accept_tokens_...
-    cache_ops.fill_accept_out_cache_loc_func(accept_index, out_cache_loc, src, bs)
-    assert torch.equal(tgt, src)
-    predict = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32)
-    hidden = torch.randn(bs, 6)
-    assert torch.equal(_compact_accept_to_front(predict, accept_index, bs, num_draft_tokens=1), predict)
-    assert torch.equal(_compact_accept_to_front(hidden, accept_index, bs, num_draft_tokens=1), hidden)
-    assert _path_already_in_front(None, accept_index, accept_lens, predict, None, bs,
-                                  token_to_kv_pool_allocator=None, num_draft_tokens=1) is predict
+    assert d.catch_ups == 1
 
 
 def test_is_sampled_follows_sglangs_normalised_sampling_params():

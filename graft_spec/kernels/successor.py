@@ -19,14 +19,29 @@ from .layout import fused_kernels_for, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["successor_update", "successor_update_reference", "successor_update_triton", "table_rows", "last_writer"]
+__all__ = ["PRIVATE_GROUP", "successor_update", "successor_update_reference", "successor_update_triton", "table_rows", "group_rows",
+           "last_writer"]
+
+
+#: The isolation group of a request that shares no cross-request state (`graft_spec.pipeline.GroupMap`):
+#: negative, so the successor table neither proposes to its rows nor learns from them (`table_rows`),
+#: and no output-index position carries it as a tag.
+PRIVATE_GROUP = -2
 
 
 def table_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row int64, ok bool)`` of ``tokens`` in ``groups`` (broadcast): row ``t mod rows`` of the
-    group's block of ``rows + 2``; tokens outside ``[0, vocab)`` (not ok) get the group's empty row."""
-    ok = (tokens >= 0) & (tokens < vocab)
-    return groups * (rows + 2) + torch.where(ok, tokens % rows, rows), ok
+    group's block of ``rows + 2``; tokens outside ``[0, vocab)`` and every token of a negative group
+    (a request without one, `graft_spec.pipeline.PRIVATE_GROUP`) are not ok and get group 0's empty row."""
+    g = groups if isinstance(groups, torch.Tensor) else torch.as_tensor(groups, device=tokens.device)
+    ok = (tokens >= 0) & (tokens < vocab) & (g >= 0)
+    return group_rows(tokens, g.clamp(min=0), rows, ok), ok
+
+
+def group_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: int, ok: torch.Tensor) -> torch.Tensor:
+    """`table_rows`' rows for groups known to be >= 0 and a given ``ok``: row ``t mod rows`` of the
+    group's block where ok, the block's empty row elsewhere."""
+    return groups * (rows + 2) + torch.where(ok, tokens % rows, rows)
 
 
 def last_writer(row: torch.Tensor, ok: torch.Tensor, dump: int) -> torch.Tensor:
@@ -48,7 +63,7 @@ def successor_update_reference(table: torch.Tensor, tokens: torch.Tensor, topk_i
         table: ``int32[G * (rows + 2), k]``; rows R and R + 1 of every group stay -1.
         tokens: ``int64[M]`` node tokens; topk_ids: ``int64[M, k']`` the target's top-k after each,
             best first (k' > k truncated, k' < k leaves ranks at -1); valid: ``bool[M]``;
-            groups: ``int64[M]`` isolation groups.
+            groups: ``int64[M]`` isolation groups (a negative group's nodes are never written).
         rows: R, rows per group; vocab: tokens outside ``[0, vocab)`` are never written.
     """
     m, k = tokens.shape[0], table.shape[1]
@@ -70,15 +85,15 @@ if triton is not None:
         i = tl.program_id(0) * BI + tl.arange(0, BI)
         tok = tl.load(tok_ptr + i, mask=i < M, other=-1)
         grp = tl.load(group_ptr + i, mask=i < M, other=0)
-        ok = (tok >= 0) & (tok < vocab) & (tl.load(valid_ptr + i, mask=i < M, other=0) != 0) & (i < M)
-        row = grp * (rows + 2) + tl.where(ok, tok % rows, rows)
+        ok = (tok >= 0) & (tok < vocab) & (tl.load(valid_ptr + i, mask=i < M, other=0) != 0) & (i < M) & (grp >= 0)
+        row = tl.maximum(grp, 0) * (rows + 2) + tl.where(ok, tok % rows, rows)
         later = tl.zeros([BI], dtype=tl.int32)
         for start in range(0, M, BJ):
             j = start + tl.arange(0, BJ)
             tj = tl.load(tok_ptr + j, mask=j < M, other=-1)
             gj = tl.load(group_ptr + j, mask=j < M, other=0)
-            okj = (tj >= 0) & (tj < vocab) & (tl.load(valid_ptr + j, mask=j < M, other=0) != 0) & (j < M)
-            rj = gj * (rows + 2) + tl.where(okj, tj % rows, rows)
+            okj = (tj >= 0) & (tj < vocab) & (tl.load(valid_ptr + j, mask=j < M, other=0) != 0) & (j < M) & (gj >= 0)
+            rj = tl.maximum(gj, 0) * (rows + 2) + tl.where(okj, tj % rows, rows)
             same = (rj[None, :] == row[:, None]) & okj[None, :] & (j[None, :] > i[:, None])
             later += tl.sum(same.to(tl.int32), axis=1)
         write = ok & (later == 0)

@@ -23,7 +23,7 @@ import torch
 
 from ..sources import SOURCE_SUCCESSOR
 from .layout import fused_kernels_for, triton
-from .successor import table_rows
+from .successor import group_rows, table_rows
 
 if triton is not None:
     import triton.language as tl
@@ -48,11 +48,17 @@ def expand_template(roots: torch.Tensor, groups: "torch.Tensor | int", table: to
         ancestor's).
     """
     b, t, k = roots.shape[0], t_parent.shape[0], table.shape[1]
+    # a negative group's root gets the empty row, so every slot below it is empty too
     root_row = table_rows(roots.to(torch.int64).reshape(b, 1), groups, rows, vocab)[0]
+    safe = groups.clamp(min=0) if isinstance(groups, torch.Tensor) else max(int(groups), 0)
     flat = table.view(-1)
     toks = torch.full((b, t), -1, dtype=torch.int64, device=roots.device)
     for d in range(1, levels + 1):                                     # one gather per template depth
-        prow = root_row.expand(b, t) if d == 1 else table_rows(toks[:, t_parent.clamp(min=0)], groups, rows, vocab)[0]
+        if d == 1:
+            prow = root_row.expand(b, t)
+        else:
+            par = toks[:, t_parent.clamp(min=0)]
+            prow = group_rows(par, safe, rows, (par >= 0) & (par < vocab))
         toks = torch.where(t_depth == d, flat[prow * k + t_rank].to(torch.int64), toks)  # rows of empty parents: -1
     return toks.clamp(min=0), toks >= 0
 
@@ -116,8 +122,8 @@ if triton is not None:
                 pa = tl.load(par_ptr + a, mask=live, other=0)
                 a = tl.where(da > j, pa, a)
             rk = tl.load(rank_ptr + a, mask=live, other=0)
-            ok = (cur >= 0) & (cur < vocab)
-            row = grp * (rows + 2) + tl.where(ok, cur % rows, rows)
+            ok = (cur >= 0) & (cur < vocab) & (grp >= 0)
+            row = tl.maximum(grp, 0) * (rows + 2) + tl.where(ok, cur % rows, rows)
             here = live & (dep >= j)
             nxt = tl.load(table_ptr + row * K + rk, mask=here, other=-1).to(tl.int64)
             cur = tl.where(here, nxt, cur)

@@ -27,7 +27,7 @@ from ..sources import SOURCE_CORPUS
 from .base import HostSource, Proposal, longest_match_proposal
 from .trie import CountTrie
 
-__all__ = ["CorpusIndex"]
+__all__ = ["CorpusIndex", "corpus_entries", "check_corpus_file"]
 
 Tokenizer = Callable[[str], Sequence[int]]
 
@@ -77,43 +77,20 @@ class CorpusIndex(HostSource):
         return idx
 
     @classmethod
-    def from_file(cls, path: str | Path, tokenizer: Optional[Tokenizer] = None, **kw) -> "CorpusIndex":
+    def from_file(cls, path: str | Path, tokenizer: Optional[Tokenizer] = None, vocab_size: Optional[int] = None,
+                  **kw) -> "CorpusIndex":
         """Load a corpus file (formats in the module docstring).
 
+        Args:
+            vocab_size: when given, every token id must lie in ``[0, vocab_size)``.
         Raises:
-            ValueError: unknown suffix, or text entries without a tokenizer.
+            FileNotFoundError: missing file.
+            ValueError: unknown suffix, a malformed entry (not a list of token ids, a token outside
+                ``[0, vocab_size)``, invalid JSON) or text entries without a tokenizer; the message
+                names the file and the entry.
         """
-        p = Path(path)
         idx = cls(**kw)
-
-        def need_tok() -> Tokenizer:
-            if tokenizer is None:
-                raise ValueError(f"corpus {p}: text entries need a tokenizer")
-            return tokenizer
-
-        def seqs() -> Iterable[Sequence[int]]:
-            if p.suffix == ".json":
-                yield from json.loads(p.read_text())
-            elif p.suffix == ".jsonl":
-                with p.open() as f:
-                    for line in f:
-                        if not line.strip():
-                            continue
-                        obj = json.loads(line)
-                        if isinstance(obj, dict):
-                            yield obj["tokens"] if "tokens" in obj else need_tok()(obj["text"])
-                        else:
-                            yield obj
-            elif p.suffix == ".txt":
-                tok = need_tok()
-                with p.open() as f:
-                    for line in f:
-                        if line.strip():
-                            yield tok(line.rstrip("\n"))
-            else:
-                raise ValueError(f"corpus {p}: unknown suffix {p.suffix!r} (.json, .jsonl, .txt)")
-
-        idx.add_sequences(seqs())
+        idx.add_sequences(corpus_entries(path, tokenizer, vocab_size))
         return idx
 
     # ------------------------------------------------------------------ interface
@@ -140,3 +117,85 @@ class CorpusIndex(HostSource):
         if tail is None or budget <= 0 or self.num_tokens == 0:
             return Proposal()
         return longest_match_proposal((self.trie,), list(tail), self.max_match, budget, self.min_prob)
+
+
+def corpus_entries(path: str | Path, tokenizer: Optional[Tokenizer] = None,
+                   vocab_size: Optional[int] = None) -> Iterable[list]:
+    """The token-id lists of a corpus file, one per entry, each checked as it is read.
+
+    Args:
+        path: ``.json`` (a list of token-id lists), ``.jsonl`` (one per line: a list, ``{"tokens":
+            [...]}`` or ``{"text": ...}``) or ``.txt`` (one text per line).
+        tokenizer: for text entries (None: text entries are refused).
+        vocab_size: when given, token ids must lie in ``[0, vocab_size)``.
+    Yields:
+        ``list[int]`` per entry.
+    Raises:
+        FileNotFoundError: missing file.
+        ValueError: naming the file and the entry: unknown suffix, invalid JSON, an entry that is not
+            a list of non-negative integers (or below ``vocab_size``), text without a tokenizer.
+    """
+    p = Path(path)
+    if p.suffix not in (".json", ".jsonl", ".txt"):
+        raise ValueError(f"corpus {p}: unknown suffix {p.suffix!r} (.json, .jsonl, .txt)")
+    if not p.is_file():
+        raise FileNotFoundError(f"corpus {p}: no such file")
+
+    def checked(ids, where: str) -> list:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"corpus {p}, {where}: expected a list of token ids, got {str(ids)[:80]}")
+        bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"corpus {p}, {where}: token id {bad} outside {bound}")
+        return ids
+
+    def text(obj, where: str) -> list:
+        if tokenizer is None:
+            raise ValueError(f"corpus {p}, {where}: text entries need a tokenizer")
+        return checked(list(tokenizer(obj)), where)
+
+    if p.suffix == ".json":
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"corpus {p}, line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(data, list):
+            raise ValueError(f"corpus {p}: the top level must be a list of token-id lists")
+        for i, ids in enumerate(data):
+            yield checked(ids, f"entry {i}")
+    elif p.suffix == ".jsonl":
+        with p.open() as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"corpus {p}, line {n}: invalid JSON ({exc.msg})") from None
+                if isinstance(obj, dict) and "tokens" in obj:
+                    yield checked(obj["tokens"], f"line {n}")
+                elif isinstance(obj, dict) and "text" in obj:
+                    yield text(obj["text"], f"line {n}")
+                else:
+                    yield checked(obj, f"line {n}")
+    else:
+        with p.open() as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield text(line.rstrip("\n"), f"line {n}")
+
+
+def check_corpus_file(path: str | Path, vocab_size: Optional[int] = None) -> int:
+    """Read a corpus file through `corpus_entries` without building the index (a server's start-up
+    check, before the model loads); text entries are taken as valid (they need the tokenizer).
+
+    Returns:
+        entries read.
+    Raises:
+        FileNotFoundError / ValueError: as `corpus_entries`.
+    """
+    count = 0
+    for _ in corpus_entries(path, tokenizer=lambda text: [], vocab_size=vocab_size):
+        count += 1
+    return count

@@ -110,6 +110,7 @@ class OutputRing:
     """
 
     name = "outputs"   # memory_bytes_by_source key on /server_info
+    MATCH_LENGTHS = MATCH_LENGTHS
 
     def __init__(self, capacity: int, max_match: int, depth: int, max_request_tokens: int = 2048,
                  device: torch.device | str = "cpu"):

@@ -30,11 +30,14 @@ class Retriever:
         self.sources = list(sources)
 
     @classmethod
-    def from_config(cls, config: GraftConfig, corpus: Optional[CorpusIndex] = None) -> "Retriever":
+    def from_config(cls, config: GraftConfig, corpus: Optional[CorpusIndex] = None,
+                    vocab_size: Optional[int] = None) -> "Retriever":
         """Sources enabled in ``config.retrieval``; a prebuilt ``corpus`` overrides the path.
 
+        Args:
+            vocab_size: the target's vocabulary: the corpus file's token ids must lie below it.
         Raises:
-            FileNotFoundError / ValueError: corpus file missing or malformed.
+            FileNotFoundError / ValueError: corpus file missing or malformed (naming the entry).
         """
         r = config.retrieval
         srcs: list[HostSource] = []
@@ -44,7 +47,7 @@ class Retriever:
         if corpus is not None:
             srcs.append(corpus)
         elif r.corpus:
-            srcs.append(CorpusIndex.from_file(r.corpus_path, max_depth=r.suffix_max_depth,
+            srcs.append(CorpusIndex.from_file(r.corpus_path, vocab_size=vocab_size, max_depth=r.suffix_max_depth,
                                               max_match=r.match_len, min_prob=r.suffix_min_prob,
                                               max_mb=r.corpus_max_mb))
         return cls(srcs)

@@ -109,7 +109,8 @@ class SuccessorTable:
         return self.table.numel() * self.table.element_size()
 
     def row_of(self, tokens: torch.Tensor, groups: torch.Tensor | int = 0) -> torch.Tensor:
-        """Table row of ``tokens`` in ``groups`` (broadcast); invalid tokens map to the group's empty row."""
+        """Table row of ``tokens`` in ``groups`` (broadcast); invalid tokens and negative groups map to
+        an empty row."""
         g = torch.as_tensor(groups, device=self.device).to(torch.int64) if not isinstance(groups, torch.Tensor) \
             else groups.to(torch.int64)
         return table_rows(tokens, g, self.rows, self.vocab_size)[0]
@@ -164,8 +165,9 @@ class SuccessorTable:
         0 to ``nxt`` (the last bigram of a repeated ``prev`` wins). All ``[L]``."""
         a = prev.reshape(-1).to(self.device, torch.int64)
         b = nxt.reshape(-1).to(self.device, torch.int64)
-        ok = valid.reshape(-1).to(self.device) & (a >= 0) & (a < self.vocab_size) & (b >= 0) & (b < self.vocab_size)
-        row = self.row_of(a, groups if not isinstance(groups, torch.Tensor) else groups.reshape(-1))
+        g = groups.reshape(-1).to(self.device, torch.int64) if isinstance(groups, torch.Tensor) else groups
+        row, known = table_rows(a, g, self.rows, self.vocab_size)       # a negative group learns nothing
+        ok = valid.reshape(-1).to(self.device) & known & (b >= 0) & (b < self.vocab_size)
         ok = ok & (self.table[row, 0] < 0)
         rows = last_writer(row, ok, self.rows + 1)          # group 0's dump row
         self.table[:, 0].index_copy_(0, rows, b.to(torch.int32))

@@ -11,7 +11,9 @@ calibrated estimates (SuffixDecoding, arXiv 2411.04975, lets its budget grow wit
 Memory bound and eviction: a request's trie holds at most ``max_nodes`` nodes and ``max_nodes``
 history tokens (+ one append). When an append crosses either cap, the trie is rebuilt from the most
 recent ``max_nodes // (2 * max_depth)`` tokens (older context is forgotten, newest kept), so the
-rebuild cost amortises to O(max_depth) per token. ``stop`` frees everything.
+rebuild cost amortises to O(max_depth) per token. A call with more than ``max_nodes // max_depth``
+new tokens (a long prompt) inserts only the newest that many, so no call costs more than
+``max_nodes`` node updates. ``stop`` frees everything.
 
 Reference: ArcticInference suffix decoding (per-request tree over prompt + output, count-ratio
 scores, min_token_prob pruning) — docs/suffix-decoding.rst.
@@ -52,6 +54,18 @@ class SuffixIndex(HostSource):
         self._tries: dict[Hashable, CountTrie] = {}
         self.rebuilds = 0
 
+    @property
+    def window(self) -> int:
+        """Tokens a rebuild keeps: ``max_nodes // (2 * max_depth)``, at least 2."""
+        return max(2, self.max_nodes // (2 * self.max_depth))
+
+    @property
+    def max_insert(self) -> int:
+        """The most tokens one call inserts (``max_nodes // max_depth``: a call that inserts more could
+        not stay under the node cap in the worst case): a longer prompt keeps its newest ones, so no
+        call costs more than ``max_nodes`` node updates."""
+        return max(self.window, self.max_nodes // self.max_depth)
+
     def start(self, req_id: Hashable, prompt_ids: Sequence[int], tenant: Optional[Hashable] = None) -> None:
         self._tries[req_id] = CountTrie(self.max_depth)
         self.extend(req_id, prompt_ids)
@@ -60,11 +74,19 @@ class SuffixIndex(HostSource):
         trie = self._tries.get(req_id)
         if trie is None or len(new_tokens) == 0:
             return
-        trie.extend(new_tokens)
-        if trie.num_nodes > self.max_nodes or len(trie.hist) > self.max_nodes:
-            keep = max(2, self.max_nodes // (2 * self.max_depth))
+        if len(new_tokens) > self.max_insert:
+            # a long prompt (or a long catch-up): inserting it all would take len * max_depth node
+            # updates on the decode path; its newest max_insert tokens start a fresh trie instead
             fresh = CountTrie(self.max_depth)
-            fresh.extend(trie.hist[-keep:])
+            fresh.extend(list(new_tokens[-self.max_insert:]))
+            self._tries[req_id] = fresh
+            self.rebuilds += 1
+            trie = fresh
+        else:
+            trie.extend(new_tokens)
+        if trie.num_nodes > self.max_nodes or len(trie.hist) > self.max_nodes:
+            fresh = CountTrie(self.max_depth)
+            fresh.extend(trie.hist[-self.window:])
             self._tries[req_id] = fresh
             self.rebuilds += 1
 

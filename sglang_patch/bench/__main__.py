@@ -74,9 +74,10 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                    help="extra args for every server (one string; float32 keeps equality exact on CPU)")
     p.add_argument("--interleave", action="store_true",
                    help="hold every method's server up at once and run each (set, mode, concurrency, seed) on "
-                        "all of them back to back (the order reversed every other run), instead of one server "
-                        "after another: this machine's speed drifts by a quarter between minutes, which a "
-                        "sequential run reads as a method's ratio (memory: one server per method and N)")
+                        "all of them back to back (the order reversed every other run), the servers not being "
+                        "measured paused (SIGSTOP), instead of one server after another: this machine's speed "
+                        "drifts by a quarter between minutes, which a sequential run reads as a method's ratio "
+                        "(memory: one server per method and N)")
     p.add_argument("--json", default="bench_out/bench.json", help="output JSON path (plots beside it)")
     a = p.parse_args(argv)
     a.prompt_sets = [_DEFAULT_SETS.get(spec, spec) for spec in a.prompt_sets]
@@ -107,7 +108,7 @@ def _graft_state(url: str) -> Optional[Dict[str, Any]]:
 
 def main(argv: List[str] | None = None) -> int:
     """Run the benchmark; returns the process exit code (1 when any greedy output differs)."""
-    from sglang_patch.launcher import SGLangServer
+    from sglang_patch.launcher import SGLangServer, alone
 
     a = _parse(sys.argv[1:] if argv is None else argv)
     render, tok = _render_chat(a.target)
@@ -177,9 +178,11 @@ def main(argv: List[str] | None = None) -> int:
     if a.interleave:
         with contextlib.ExitStack() as stack:
             servers = [start(spec, stack) for spec in methods]
+            everyone = [s.srv for s in servers]
             for i, run in enumerate(runs):
                 for server in interleave_order(servers, i):
-                    measure(server, run)
+                    with alone(server.srv, everyone):   # the others paused: they steal no time slices
+                        measure(server, run)
     else:
         for spec in methods:
             with contextlib.ExitStack() as stack:
@@ -229,13 +232,21 @@ def _warm_up(url: str, warmup: Dict[str, list], sets: Dict[str, list], a: argpar
     start from a warm server: its calibration past the priors in both modes (the issue-12 criterion
     is calibration *after warm-up*), its retrieval indexes holding traffic that is not the measured
     prompts' answers. Every method's server gets the same warm-up. Without held-out prompts
-    (``--warmup-prompts 0``) two short greedy requests still compile the server's paths."""
+    (``--warmup-prompts 0``) two short greedy requests still compile the server's paths. Then one
+    short wave at every measured concurrency above 1 (prompts cycled; 16 tokens each) brings every
+    batch size's first-use cost forward."""
     if not any(warmup.values()):
         run_prompts_sync(url, next(iter(sets.values()))[:2], 1, sampling_params(16))
-        return
-    for prompts in warmup.values():
-        for mode in a.modes:
-            _warm_up_mode(url, prompts, mode, a)
+    else:
+        for prompts in warmup.values():
+            for mode in a.modes:
+                _warm_up_mode(url, prompts, mode, a)
+    # every measured batch size once: SGLang compiles its draft top-k step (torch.compile,
+    # spec_utils.py:437) again the first time a batch holds more than one request, seconds on a CPU
+    # that would otherwise land in the first measured cell of that concurrency
+    pool = [p for prompts in warmup.values() for p in prompts] or next(iter(sets.values()))[:2]
+    for c in sorted(set(a.concurrency) - {1}):
+        run_prompts_sync(url, [pool[i % len(pool)] for i in range(c)], c, sampling_params(16))
 
 
 def _warm_up_mode(url: str, prompts: list, mode: str, a: argparse.Namespace) -> None:

@@ -91,6 +91,8 @@ class MethodSpec:
             cps = stage_checkpoints(self.num_draft_tokens, self.steps, self.thresholds)
             args += ["--graft-checkpoints", json.dumps(cps)]
         args += _GRAFT_EXTRA.get(self.method, [])
+        if algo == "graft":   # meta_info.graft_src: the grafted share of accepted tokens
+            args += ["--graft-return-sources", "true"]
         return args
 
 

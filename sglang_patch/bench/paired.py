@@ -5,8 +5,9 @@ and on a shared 2-core machine the speed moves between minutes by more than the 
 between methods. This tool
 resolves smaller differences. Every method's server is up at once; the same steady load (``c``
 requests always in flight, ``--max-tokens`` each, ``ignore_eos``, prompts cycled from one set) is
-sent to one server for a window of ``--window-s`` seconds, then to the next, the order reversed in
-every other repetition (ABBA); tokens/s is the tokens generated inside the window (`window_tokens`:
+sent to one server for a window of ``--window-s`` seconds while the others are paused (SIGSTOP:
+on two cores an idle server's threads take time slices from the measured one), then to the next,
+the order reversed in every other repetition (ABBA); tokens/s is the tokens generated inside the window (`window_tokens`:
 every request's tokens spread evenly over its lifetime, so a request that straddles an edge counts
 for its share) over the window's length. Windows of one repetition form a pair; each method's ratio
 to the reference (``nospec``) is taken per pair, and the median over the pairs is reported next to
@@ -83,33 +84,37 @@ def window_tokens(requests: Sequence[Tuple[float, float, int]], t0: float, t1: f
 
 
 def paired_ratios(windows: Sequence[Dict[str, Any]], reference: str = "nospec") -> Dict[str, Dict[str, Any]]:
-    """Per concurrency and method, the ratios of its tokens/s to ``reference``'s in the same
-    repetition (a pair), their median, min and max, and the medians of tokens/s.
+    """Per cell (mode and concurrency) and method, the ratios of its tokens/s to ``reference``'s in
+    the same repetition (a pair), their median, min and max, and the medians of tokens/s.
 
     Args:
-        windows: rows ``{"method", "concurrency", "rep", "tokens_per_s"}``.
+        windows: rows ``{"method", "concurrency", "rep", "tokens_per_s"}`` and optionally ``"mode"``
+            (``"greedy"`` when absent).
     Returns:
-        ``{str(concurrency): {method: {"ratios", "median_ratio", "min_ratio", "max_ratio",
+        ``{"<mode> c<concurrency>": {method: {"ratios", "median_ratio", "min_ratio", "max_ratio",
         "median_tokens_per_s"}}}`` (the reference has no ratio fields).
     Raises:
-        ValueError: a (concurrency, rep) has a method window but no reference window.
+        ValueError: a (mode, concurrency, rep) has a method window but no reference window.
     """
-    by = {(w["concurrency"], w["rep"], w["method"]): float(w["tokens_per_s"]) for w in windows}
+    def cell_of(w):
+        return (w.get("mode", "greedy"), int(w["concurrency"]))
+
+    by = {(cell_of(w), w["rep"], w["method"]): float(w["tokens_per_s"]) for w in windows}
     out: Dict[str, Dict[str, Any]] = {}
-    for c in sorted({w["concurrency"] for w in windows}):
+    for key in sorted({cell_of(w) for w in windows}, key=lambda k: (k[0] != "greedy", k[1])):
         cell: Dict[str, Any] = {}
-        for m in dict.fromkeys(w["method"] for w in windows if w["concurrency"] == c):
-            reps = sorted(r for (cc, r, mm) in by if cc == c and mm == m)
-            row: Dict[str, Any] = {"median_tokens_per_s": round(statistics.median(by[(c, r, m)] for r in reps), 3)}
+        for m in dict.fromkeys(w["method"] for w in windows if cell_of(w) == key):
+            reps = sorted(r for (kk, r, mm) in by if kk == key and mm == m)
+            row: Dict[str, Any] = {"median_tokens_per_s": round(statistics.median(by[(key, r, m)] for r in reps), 3)}
             if m != reference:
-                missing = [r for r in reps if (c, r, reference) not in by]
+                missing = [r for r in reps if (key, r, reference) not in by]
                 if missing:
-                    raise ValueError(f"concurrency {c}: repetitions {missing} have {m} but no {reference} window")
-                ratios = [by[(c, r, m)] / max(by[(c, r, reference)], 1e-9) for r in reps]
+                    raise ValueError(f"{key[0]} c{key[1]}: repetitions {missing} have {m} but no {reference} window")
+                ratios = [by[(key, r, m)] / max(by[(key, r, reference)], 1e-9) for r in reps]
                 row.update(ratios=[round(x, 4) for x in ratios], median_ratio=round(statistics.median(ratios), 4),
                            min_ratio=round(min(ratios), 4), max_ratio=round(max(ratios), 4))
             cell[m] = row
-        out[str(c)] = cell
+        out[f"{key[0]} c{key[1]}"] = cell
     return out
 
 
@@ -123,7 +128,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--prompts", default="data/humaneval_dev.jsonl", help="JSONL prompt set, cycled")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"],
+                   help="greedy: temperature 0; sampled: temperature 0.8, top-p 0.95")
     p.add_argument("--reps", type=int, default=4, help="pairs (repetitions) per concurrency")
     p.add_argument("--window-s", type=float, default=10.0, help="measured seconds per window")
     p.add_argument("--settle-s", type=float, default=3.0, help="seconds of load before a window's clock starts")
@@ -169,11 +176,12 @@ def _window(url: str, texts: Sequence[str], concurrency: int, params: Dict[str, 
 
 def main(argv: List[str] | None = None) -> int:
     """Run the paired windows; print the summary and write the JSON (``args``, ``windows``, ``pairs``)."""
-    from sglang_patch.launcher import SGLangServer
+    from sglang_patch.launcher import SGLangServer, alone
 
     a = _parse(sys.argv[1:] if argv is None else argv)
     texts = [p.text for p in load_prompts(a.prompts)]
-    params = {"max_new_tokens": a.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    by_mode = {"greedy": {"max_new_tokens": a.max_tokens, "temperature": 0.0, "ignore_eos": True},
+               "sampled": {"max_new_tokens": a.max_tokens, "temperature": 0.8, "top_p": 0.95, "ignore_eos": True}}
     work = Path(tempfile.mkdtemp(prefix="graft_paired_"))
     windows: List[Dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -184,20 +192,26 @@ def main(argv: List[str] | None = None) -> int:
             args = spec.server_args() + a.server_args.split()
             servers[m] = stack.enter_context(SGLangServer(a.target, args, env=_PLAIN_ENV if m == PLAIN else {},
                                                           log_path=str(work / f"{m}.log")))
-        for srv in servers.values():   # warm up: compiled paths, first-use allocations
-            _window(srv.url, texts, 4, params, a.settle_s, a.window_s / 2)
-        for c in a.concurrency:
-            for rep in range(a.reps):
-                for m, srv in interleave_order(list(servers.items()), rep):
-                    tps = _window(srv.url, texts, c, params, a.settle_s, a.window_s)
-                    windows.append({"method": m, "concurrency": c, "rep": rep, "tokens_per_s": round(tps, 3)})
-                    print(f"c={c} rep={rep} {m}: {tps:.1f} tokens/s", flush=True)
+        everyone = list(servers.values())
+        for srv in everyone:   # warm up: compiled paths, first-use allocations, in every mode
+            with alone(srv, everyone):
+                for mode in a.modes:
+                    _window(srv.url, texts, 4, by_mode[mode], a.settle_s, a.window_s / 2)
+        for mode in a.modes:
+            for c in a.concurrency:
+                for rep in range(a.reps):
+                    for m, srv in interleave_order(list(servers.items()), rep):
+                        with alone(srv, everyone):   # the others paused: they steal no time slices
+                            tps = _window(srv.url, texts, c, by_mode[mode], a.settle_s, a.window_s)
+                        windows.append({"method": m, "mode": mode, "concurrency": c, "rep": rep,
+                                        "tokens_per_s": round(tps, 3)})
+                        print(f"{mode} c={c} rep={rep} {m}: {tps:.1f} tokens/s", flush=True)
     pairs = paired_ratios(windows)
     write_json(Path(a.json), {"args": vars(a), "windows": windows, "pairs": pairs})
     for c, cell in pairs.items():
         for m, row in cell.items():
             if "median_ratio" in row:
-                print(f"c={c} {m}/nospec: median {row['median_ratio']:.3f} "
+                print(f"{c} {m}/nospec: median {row['median_ratio']:.3f} "
                       f"(range {row['min_ratio']:.3f}-{row['max_ratio']:.3f}, {len(row['ratios'])} pairs)")
     print(f"JSON: {a.json}")
     return 0

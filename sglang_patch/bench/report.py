@@ -71,7 +71,10 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
 
     * ``speedup_vs_nospec``: tokens/s over the no-speculation server's;
     * on graft rows, ``vs``: {peer: {"tau": ratio, "tokens_per_s": ratio}} against every peer at the
-      same N (`PEERS`).
+      same N (`PEERS`);
+    * on ``graft`` rows (the batch budget), ``vs_best_fixed``: tokens/s over the better of no-spec and
+      ``graft_fixed`` at the same N (the two choices the budget picks between), when both ran, and
+      ``speculative_share``: the share of its decode rounds that verified more than the root.
     """
     by: Dict[tuple, Dict[tuple, Dict[str, Any]]] = {}
     for r in rows:
@@ -87,6 +90,13 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
                 if p is not None:
                     r["vs"][peer] = {"tau": r["tau"] / p["tau"] if p["tau"] else None,
                                      "tokens_per_s": r["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else None}
+        if r["method"] == "graft":
+            fixed = same.get(("graft_fixed", r["num_draft_tokens"]))
+            best = max(x["tokens_per_s"] for x in (base, fixed) if x is not None) if base and fixed else None
+            r["vs_best_fixed"] = r["tokens_per_s"] / best if best else None
+            widths = r.get("verify_widths") or {}
+            rounds = sum(widths.values())
+            r["speculative_share"] = (sum(k for w, k in widths.items() if int(w) > 1) / rounds) if rounds else None
 
 
 def calibration_delta(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
@@ -137,7 +147,7 @@ def text_quality(outputs: List[List[int]], tokenizer) -> Dict[str, float]:
 def markdown_table(rows: List[Dict[str, Any]]) -> str:
     """A markdown table of every row (graft rows add tau and tokens/s ratios to their peers)."""
     head = ("| method | N | set | mode | conc | tau | verified/step | grafted share | tok/s | x no-spec |"
-            " graft tau / peers |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            " x best fixed | spec rounds | graft tau / peers |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
@@ -146,7 +156,7 @@ def markdown_table(rows: List[Dict[str, Any]]) -> str:
             f"| {r['method']} | {r['num_draft_tokens'] or '-'} | {r.get('prompt_set', '-')} | {r.get('mode', '-')} | "
             f"{r['concurrency']} | {r['tau']:.2f} | {r['verified_tokens_per_step']} | "
             f"{fmt(r.get('grafted_accept_share'))} | {r['tokens_per_s']:.1f} | {fmt(r.get('speedup_vs_nospec'))} | "
-            f"{vs or '-'} |")
+            f"{fmt(r.get('vs_best_fixed'))} | {fmt(r.get('speculative_share'))} | {vs or '-'} |")
     return "\n".join(lines)
 
 

@@ -136,6 +136,8 @@ def assign_extend_cache_locs_uniform_func(
     if full_v2p is not None:
         raise NotImplementedError("assign_extend_cache_locs_uniform_func: the fused write translation "
                                   "(full_v2p) needs a Triton device")
+    if draft_token_num == 1 and positions_out is None and anchor_out is None:   # a plain round: one slot each
+        return req_to_token[req_pool_indices[:batch_size], start_offset[:batch_size]].to(torch.int64)
     starts = start_offset[:batch_size].to(torch.int64)
     if positions_out is not None:
         positions_out.copy_((starts[:, None] + torch.arange(draft_token_num, device=starts.device))

@@ -161,6 +161,9 @@ def idle_problems(stats: Dict[str, Any], baseline: Dict[str, Any]) -> List[str]:
     w = stats.get("worker")
     if w is not None and (w["live_requests"] != 0 or w["planner_live_requests"] != 0):
         p.append(f"graft live requests {w['live_requests']} planner {w['planner_live_requests']}")
+    held = {k: v for k, v in ((w or {}).get("planner_state") or {}).items() if v}
+    if held:
+        p.append(f"graft planner still holds per-request state {held}")
     tracked = ((w or {}).get("batch_budget") or {}).get("tracked_requests", 0)
     if tracked:
         p.append(f"batch budget still tracks {tracked} requests")

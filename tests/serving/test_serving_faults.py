@@ -216,7 +216,32 @@ def _invalid_launches(draft: Path, tmp_path: Path) -> Dict[str, Any]:
         "paged_tree_backend": ([*with_draft, "--page-size", "16"], {}, ["--page-size 16"]),
         "dp_attention": ([*with_draft, "--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], {},
                          ["--enable-dp-attention"]),
+        # a config file's syntax error names the file and its line; a corpus entry outside the
+        # vocabulary names the file and the entry (both before the model loads)
+        "yaml_syntax_error": ([*with_draft, "--graft-config", str(_yaml_syntax_error_file(tmp_path))], {},
+                              ["broken.yaml, line", "YAML syntax error"]),
+        "corpus_out_of_vocab": ([*with_draft, "--graft-retrieval-corpus", "true", "--graft-retrieval-corpus-path",
+                                 str(_corpus_file(tmp_path, [[5, 6, 7], [8, VOCAB + 3]]))], {},
+                                ["retrieval.corpus_path", "corpus.jsonl, line 2", f"token id {VOCAB + 3}"]),
+        "corpus_missing": ([*with_draft, "--graft-retrieval-corpus", "true", "--graft-retrieval-corpus-path",
+                            str(tmp_path / "nowhere.jsonl")], {}, ["retrieval.corpus_path", "no such file"]),
+        "lora": ([*with_draft, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj"], {},
+                 ["--enable-lora"]),
     }
+
+
+def _yaml_syntax_error_file(tmp_path: Path) -> Path:
+    p = tmp_path / "broken.yaml"
+    p.write_text("num_draft_tokens: 24\nretrieval:\n  suffix: [true\n  lookup: false\n")
+    return p
+
+
+def _corpus_file(tmp_path: Path, entries) -> Path:
+    import json
+
+    p = tmp_path / "corpus.jsonl"
+    p.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    return p
 
 
 #: Each launch must fail within this many seconds (four at a time on 2 cores).
