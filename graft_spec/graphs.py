@@ -129,6 +129,7 @@ class StepGraphs:
         """
         if self.planner.device.type != "cuda":
             raise RuntimeError("StepGraphs.capture needs the planner on a CUDA device")
+        self.planner.fix_slots()
         pool = torch.cuda.graph_pool_handle()
         for bucket in self.buckets:
             st = self._static.setdefault(bucket, self._make_static(bucket))
@@ -143,6 +144,14 @@ class StepGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self._call(st, width)
                 self._graphs[(bucket, width)] = (graph, out)
+
+    def warm_up(self) -> None:
+        """Run every (bucket, width) build once eagerly on the static inputs (compiles the fused
+        kernels at start-up where graphs are off; any compile error is raised here)."""
+        for bucket in self.buckets:
+            st = self._static.setdefault(bucket, self._make_static(bucket))
+            for width in self.widths:
+                self._call(st, width)
 
     def build(self, draft: "DenseDraft | DraftCandidates", roots: torch.Tensor, host: HostCandidates,
               slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,

@@ -45,7 +45,7 @@ from .retrieval.output_ring import OutputRing
 from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
-from .kernels import fused_kernels_for, fused_ops_everywhere
+from .kernels import fused_kernels_for, fused_ops_everywhere, kernel_path, use_reference_kernels
 from .kernels.tree_sample import tree_sample
 from .kernels.observe import gain_columns, observe_rows
 from .kernels.successor import PRIVATE_GROUP
@@ -71,6 +71,8 @@ __all__ = [
     "tree_draft_candidates",
     # host-side controllers an adapter drives
     "BatchBudget", "DraftStopGate", "StepGraphs",
+    # which implementation the fused ops run, and the start-up fallback to the references
+    "kernel_path", "use_reference_kernels",
     # names: the sources of tree nodes (graft_spec/sources.py)
     "SOURCE_DRAFT", "SOURCE_PADDING", "NUM_SOURCES", "NUM_MEMBERS", "SOURCE_NAMES", "SOURCE_LETTERS",
     "GRAFTED_SOURCES",
@@ -261,6 +263,7 @@ class GraftPlanner:
         width = r.max_candidates if self.retriever.sources else 0
         self.buffer = HostCandidateBuffer(max_batch, width, self.device)
         self.history = TokenHistory(max_slots, r.history_len, self.device)
+        self.slots_fixed = False   # `fix_slots`: set when graphs capture the per-slot buffers
         self.step = self._new_step(n)
         #: the step of every verify width >= 2 of the batch budget (the full width is `step`)
         self.steps = {w: (self.step if w == n else self._new_step(w)) for w in config.verify_widths if w >= 2}
@@ -345,9 +348,11 @@ class GraftPlanner:
             if self.outputs is not None:
                 self.outputs.extend(req_id, toks)
 
-    def stop_request(self, req_id: Hashable) -> None:
+    def stop_request(self, req_id: Hashable) -> bool:
         """Free all per-request state (finished or aborted request); a request with output goes into
-        the output index (`OutputRing.stop`) first."""
+        the output index (`OutputRing.stop`) first. Returns True when the planner held state for it
+        (False: unknown or already freed, nothing done)."""
+        held = req_id in self._seen or req_id in self._group
         if self.outputs is not None:
             self.outputs.stop(req_id)
         self._seen.pop(req_id, None)
@@ -356,6 +361,7 @@ class GraftPlanner:
         if key is not None:
             self.groups.release(key, forget=self.config.retrieval.isolation == "request")
         self.retriever.stop(req_id)
+        return held
 
     def clear_cache(self) -> None:
         """Forget the text earlier requests left behind - the successor table and the output index -
@@ -474,9 +480,23 @@ class GraftPlanner:
 
     def ensure_slots(self, slots: int) -> None:
         """Size the per-slot state (token history, per-request correction) to ``slots`` engine slots
-        (a host-side size check; grows once, at start-up, before any graph capture)."""
+        (a host-side size check; grows at start-up, before any graph capture).
+
+        Raises:
+            RuntimeError: growth after `fix_slots` (a captured graph reads these buffers by address,
+                so a reallocated one would be read stale by every replay).
+        """
+        have = self.history.tokens.shape[0]
+        if slots > have and self.slots_fixed:
+            raise RuntimeError(f"GraftPlanner: per-slot state is fixed at {have} slots once graphs are "
+                               f"captured; {slots} asked (size it with ensure_slots before capture)")
         self.history.ensure(slots)
         self.request_correction.ensure(slots)
+
+    def fix_slots(self) -> None:
+        """Freeze the per-slot capacity: from now on `ensure_slots` refuses to grow (graph capture
+        calls it; the buffers it reads keep their addresses for the server's life)."""
+        self.slots_fixed = True
 
     def reset_slots(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """New requests took slots ``slot_ids`` ``int64[B]``: their token windows become the first

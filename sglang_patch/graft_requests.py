@@ -188,7 +188,10 @@ class GraftRequestTracker:
             self.on_free(rid)
         st = self.states.pop(rid, None)
         if st is None:   # never prepared (it finished in prefill or decoded in plain rounds only)
-            self.planner.stop_request(rid)
+            if self.planner.stop_request(rid):
+                self.finished_total += 1
+                logger.info("graft request %s finished: rounds=0 emitted=0 (no speculative round) "
+                            "live_requests=%d planner_live=%d", rid, self.live(), self.planner.live_requests())
             return
         outputs = getattr(st.req, "output_ids", None)
         if outputs is not None:

@@ -68,7 +68,8 @@ from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, HostCandidates, RoundStats,
-                                 StepGraphs, StepOutput, on_path_from_accept_index)
+                                 StepGraphs, StepOutput, kernel_path, on_path_from_accept_index,
+                                 use_reference_kernels)
 from sglang_patch.args import effective_graft_config
 from sglang_patch.containment import FollowingGate, RoundGuard
 from sglang_patch.deferred_draft import DeferredDraftExtend
@@ -359,6 +360,8 @@ class GraftWorker(EAGLEWorkerV2):
                                              self.device) if self.budget is not None else None)
         #: the graft step's CUDA graphs (`init_cuda_graphs`; None: the step runs eagerly)
         self.step_graphs: Optional[StepGraphs] = None
+        #: which graft step runs: kernels (fused / reference) and graphs or eager (`_capture_step_graphs`)
+        self.step_path = "not prepared"
         self._launch: Optional[tuple] = None        # (width, batch size, perf_counter) of the last decode launch
         if self._draft_worker is not None:
             self._draft_worker.__class__ = GraftDraftWorker
@@ -453,6 +456,11 @@ class GraftWorker(EAGLEWorkerV2):
         """Free the request's graft state (``batch_result_processor.py:1442``)."""
         self.guard.call("freeing a request's graft state", self.requests.finish, rid)   # its gain curve too
 
+    def note_prefill_finished(self, rid: str) -> None:
+        """Free the graft state of a request that finished in its prefill, which SGLang does not
+        report to a speculative worker (`sglang_patch.prefill_finish`)."""
+        self.guard.call("freeing a request's graft state", self.requests.finish, rid)
+
     # ------------------------------------------------------------------ batch budget
     def init_cuda_graphs(self):
         """SGLang's capture, then one runtime state per further verify width (`WidthStates`), then
@@ -465,18 +473,41 @@ class GraftWorker(EAGLEWorkerV2):
     def _capture_step_graphs(self) -> Optional[StepGraphs]:
         """One graph per (SGLang decode batch size, verify width) of `GraftPlanner.build`: a round
         replays its ~1,000 kernels in one launch (eager vs replayed times: docs/benchmark.md).
-        None on CPU, with ``--disable-cuda-graph`` and without a draft worker."""
+        None on CPU, with ``--disable-cuda-graph`` and without a draft worker.
+
+        Start-up never dies on graft's own kernels: a Triton compile or graph capture failure of
+        the fused step switches the process to the torch references (`use_reference_kernels`) with
+        one warning naming the cause and captures those; a capture failure of the references
+        leaves the step eager. `step_path` says which runs (``/server_info``: ``graft.step_path``).
+        """
         if self._draft_worker is None or torch.device(self.device).type != "cuda":
-            return None
-        if _ev2.check_cuda_graph_backend(_ev2.Phase.DECODE, _ev2.Backend.DISABLED):
+            self.step_path = "torch reference, eager (CPU)" if self._draft_worker is not None else "none"
             return None
         self._slots()  # the token history is read inside the graphs: size it before capture
-        graphs = StepGraphs(self.planner, self.topk, self.speculative_num_steps,
-                            _ev2.get_exec().graph.cuda_graph_bs_decode, self.widths)
-        graphs.capture()
-        logger.info("graft step graphs: %d captured (batch sizes %s, widths %s)", graphs.captured,
-                    list(graphs.buckets), list(graphs.widths))
-        return graphs
+        graphed = not _ev2.check_cuda_graph_backend(_ev2.Phase.DECODE, _ev2.Backend.DISABLED)
+        buckets = _ev2.get_exec().graph.cuda_graph_bs_decode if graphed else [1]
+        for attempt in ("fused", "reference"):
+            graphs = StepGraphs(self.planner, self.topk, self.speculative_num_steps, buckets, self.widths)
+            try:
+                graphs.capture() if graphed else graphs.warm_up()
+            except Exception as exc:  # noqa: BLE001 - a compile or capture error of graft's step
+                cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                if attempt == "fused" and kernel_path() == "fused":
+                    logger.warning("graft: the fused step failed at start-up (%s); running the torch reference "
+                                   "kernels instead", cause, exc_info=exc)
+                    use_reference_kernels(cause)
+                    continue
+                if graphed:
+                    logger.warning("graft: capturing the graft step failed (%s); the step runs eagerly", cause,
+                                   exc_info=exc)
+                    self.step_path = f"{kernel_path()}, eager (capture failed: {cause})"
+                    return None
+                raise
+            self.step_path = f"{kernel_path()}, {'CUDA graphs' if graphed else 'eager'}"
+            logger.info("graft step: %s (%d graphs: batch sizes %s, widths %s)", self.step_path, graphs.captured,
+                        list(graphs.buckets), list(graphs.widths))
+            return graphs if graphed else None
+        return None
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         """``EAGLEWorkerV2.forward_batch_generation`` with the round's verify width chosen first."""

@@ -16,6 +16,7 @@ def register() -> None:
     """
     from sglang_patch.cpu import install_cpu_layer
     from sglang_patch.kv_reserve import register_kv_reserve
+    from sglang_patch.prefill_finish import register_prefill_finish
     from sglang_patch.registration import register_graft
     from sglang_patch.request_guard import register_request_guard
     from sglang_patch.server_stats import register_server_stats
@@ -26,4 +27,5 @@ def register() -> None:
     register_server_stats()  # GET /server_info -> internal_states[i]["graft"]
     register_kv_reserve()  # the batch budget's widths come off the KV cache before it is sized
     register_request_guard()  # 400 instead of a scheduler crash for empty / out-of-vocab prompts
+    register_prefill_finish()  # requests that finish in their prefill free their graft state
     register_op_census()  # only with GRAFT_OP_CENSUS set (python -m sglang_patch.bench.op_census)

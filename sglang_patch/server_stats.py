@@ -137,6 +137,7 @@ def graft_worker_stats(worker) -> Dict[str, Any]:
     out["round_failures"] = _safe(lambda: worker.guard.summary())
     out["planner_state"] = _safe(lambda: planner.state_counts())
     out["plain_round"] = "decode"   # a width-1 round runs SGLang's decode step (sglang_patch/plain_round.py)
+    out["step_path"] = _safe(lambda: worker.step_path)   # fused / reference kernels, graphs / eager
     cfg = _safe(lambda: planner.config.retrieval)
     if cfg is not None:
         out["config"] = {"suffix": cfg.suffix, "suffix_max_nodes": cfg.suffix_max_nodes,

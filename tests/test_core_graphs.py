@@ -250,3 +250,15 @@ def test_graph_replays_many_rounds_like_eager_on_cuda():
     want, got = _state(eager), _state(captured)
     for name in want:
         assert torch.allclose(want[name].double(), got[name].double()), name
+
+
+def test_per_slot_state_is_fixed_once_graphs_capture_it():
+    """A captured build reads the token history and per-request windows by address: after
+    `fix_slots` (what `StepGraphs.capture` calls first) they never reallocate, growth is refused."""
+    planner = _planner("cpu")
+    tokens, recent = planner.history.tokens, planner.request_correction.recent
+    planner.fix_slots()
+    planner.ensure_slots(32)                                  # within capacity: nothing to do
+    with pytest.raises(RuntimeError, match="fixed at 32 slots"):
+        planner.ensure_slots(33)
+    assert planner.history.tokens is tokens and planner.request_correction.recent is recent

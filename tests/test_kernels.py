@@ -8,6 +8,7 @@ tests/interpret/test_*_interpreted.py, one file per group of kernels.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     launches = tmp_path_factory.mktemp("kernels") / "launches.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
-               GRAFT_RECORD_LAUNCHES=str(launches))
+               GRAFT_RECORD_LAUNCHES=str(launches), GRAFT_RECORD_LAUNCHER_OPS=str(launches.parent / "ops.json"))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           *(str(ROOT / "tests" / "interpret" / f) for f in INTERPRETED)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -39,6 +40,22 @@ def test_fused_kernels_equal_their_references_under_the_interpreter(interpreted)
     run, tail, _ = interpreted
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
+
+
+def test_every_fused_launcher_is_its_one_kernel_launch(interpreted):
+    """Each fused op's CUDA launcher issues no torch op besides its Triton launch (casts, copies of
+    strided views and post-processing would each be one more kernel on a GPU), and launches exactly
+    one kernel per call: counted over every call of the interpreted tests (tests/launcher_ops.py)."""
+    from launcher_ops import LAUNCHERS
+
+    _, tail, launches = interpreted
+    ops = launches.parent / "ops.json"
+    assert ops.exists(), tail
+    record = json.loads(ops.read_text())
+    assert sorted(record) == sorted(LAUNCHERS), tail                 # every launcher was exercised
+    extra = {k: (v["extra_ops"], v["names"]) for k, v in record.items() if v["extra_ops"]}
+    assert not extra, extra
+    assert {k: v["launches"] for k, v in record.items() if v["launches"] != 1} == {}
 
 
 def test_every_interpreted_kernel_compiles_for_a_cuda_gpu(interpreted):
@@ -84,6 +101,22 @@ def test_reference_switch(monkeypatch):
     assert not layout.fused_enabled()
     monkeypatch.setenv(layout.REFERENCE_ENV, "0")
     assert layout.fused_enabled() == (layout.triton is not None)
+
+
+def test_start_up_fallback_switches_to_the_references(monkeypatch):
+    """`use_reference_kernels` (what the SGLang worker calls when the fused step fails to compile or
+    capture at start-up) turns the fused ops off for the process and names the cause."""
+    from graft_spec.kernels import layout
+
+    monkeypatch.setenv(layout.REFERENCE_ENV, "0")
+    monkeypatch.setattr(layout, "_FALLBACK", [None])
+    assert layout.kernel_path() == ("fused" if layout.triton is not None else "reference")
+    layout.use_reference_kernels("CompilationError: out of resources")
+    assert not layout.fused_enabled()
+    assert not layout.fused_kernels_for(torch.zeros(1))
+    with layout.fused_ops_everywhere():
+        assert not layout.fused_kernels_for(torch.zeros(1))
+    assert layout.kernel_path() == "reference (fallback: CompilationError: out of resources)"
 
 
 def test_observe_is_three_launches_inside_fused_ops_everywhere():

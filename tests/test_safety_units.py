@@ -243,3 +243,25 @@ def test_planner_state_bytes_count_every_isolation_group():
     assert planner.successor.memory_bytes() == a["successor_table"]
     on = GraftConfig(retrieval={"outputs": "greedy", "outputs_max_tokens": 4096})
     assert GraftPlanner.state_bytes(on, 1000, 4, 5)["output_index"] == GraftPlanner(on, 1000).outputs.index_bytes()
+
+
+def test_requests_finished_in_prefill_are_reported_to_the_worker():
+    """SGLang reports a finished request to a speculative worker only from the decode path: the
+    prefill hook hands every finished request of a prefill batch to the graft worker, and a failing
+    worker never breaks result processing."""
+    from types import SimpleNamespace
+
+    from sglang_patch.prefill_finish import free_finished_in_prefill
+
+    freed = []
+    req = lambda rid, done: SimpleNamespace(rid=rid, finished=lambda: done)  # noqa: E731
+    batch = SimpleNamespace(reqs=[req("a", True), req("b", False), req("c", True)])
+    worker = SimpleNamespace(note_prefill_finished=freed.append)
+    assert free_finished_in_prefill("out", SimpleNamespace(draft_worker=worker), batch) == "out"
+    assert freed == ["a", "c"]
+
+    def boom(rid):
+        raise RuntimeError("boom")
+    broken = SimpleNamespace(draft_worker=SimpleNamespace(note_prefill_finished=boom))
+    assert free_finished_in_prefill("out", broken, batch) == "out"
+    assert free_finished_in_prefill("out", SimpleNamespace(draft_worker=None), batch) == "out"   # no graft

@@ -16,6 +16,8 @@ Tests: every kernel against its reference under ``TRITON_INTERPRET=1`` on CPU te
 ``GRAFT_REFERENCE_KERNELS=1`` makes every call take the torch reference on every device.
 """
 
-from .layout import fused_enabled, fused_kernels_for, fused_ops_everywhere, tree_layout
+from .layout import (fused_enabled, fused_kernels_for, fused_ops_everywhere, kernel_path, tree_layout,
+                     use_reference_kernels)
 
-__all__ = ["fused_enabled", "fused_kernels_for", "fused_ops_everywhere", "tree_layout"]
+__all__ = ["fused_enabled", "fused_kernels_for", "fused_ops_everywhere", "kernel_path", "tree_layout",
+           "use_reference_kernels"]

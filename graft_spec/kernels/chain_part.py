@@ -31,6 +31,7 @@ from ..retrieval.lookup import lookup_propose
 from ..retrieval.output_ring import CHAINS, _tail_hashes
 from ..sources import SOURCE_LOOKUP, SOURCE_OUTPUTS
 from ..tree import HASH_ADD, HASH_MIX
+from .common import int8_arg
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -322,7 +323,7 @@ def chain_part_triton(hist: torch.Tensor, count: torch.Tensor, groups: torch.Ten
     tokens = torch.empty(b, width, dtype=torch.int64, device=dev)
     parents, bins, member = torch.empty_like(tokens), torch.empty_like(tokens), torch.empty_like(tokens)
     est = torch.empty(b, width, dtype=torch.float32, device=dev)
-    valid = torch.empty(b, width, dtype=torch.int8, device=dev)
+    valid = torch.empty(b, width, dtype=torch.bool, device=dev)
     kk = sum(1 for m in match_lengths if m <= length) if outputs else 1
     mm = match_lengths[kk - 1] if outputs else 1
     hist64 = hist.contiguous().to(torch.int64)
@@ -331,14 +332,14 @@ def chain_part_triton(hist: torch.Tensor, count: torch.Tensor, groups: torch.Ten
         dummy = hist64
         _chain_part_kernel[(b,)](
             hist64, count.contiguous().to(torch.int64), groups.contiguous().to(torch.int64),
-            sampled.contiguous().to(torch.int8), est_table.contiguous(), scale.contiguous().float(),
-            under.contiguous().to(torch.int8), retrieval_base.contiguous().to(torch.int64),
+            int8_arg(sampled), est_table.contiguous(), scale.contiguous().float(),
+            int8_arg(under), retrieval_base.contiguous().to(torch.int64),
             logp_edges.contiguous().float(), depth_edges.contiguous().to(torch.int64),
             match_edges.contiguous().to(torch.int64),
             *((ring.contiguous(), ring_tag.contiguous(), ring_table.contiguous(), ring_total.reshape(1),
                ring_lengths.contiguous(), ring_pow_r.contiguous(), ring_pow_m.contiguous()) if outputs
               else (dummy,) * 7),
-            tokens, parents, est, valid, bins, member,
+            tokens, parents, est, valid.view(torch.int8), bins, member,
             length, ring.shape[0] if outputs else 1, int(per_mode), HASH_MIX, HASH_ADD,
             D=depth, C=chains, M=scale.shape[1], LOOKUP=lookup, MAXM=max(int(lookup_max_match), 1),
             OUTPUTS=outputs, KK=kk, MM=mm, SLOTS=ring_table.shape[1] if outputs else 1,
@@ -347,7 +348,7 @@ def chain_part_triton(hist: torch.Tensor, count: torch.Tensor, groups: torch.Ten
             BJ=min(256, p2(max(length, 2))), BM=p2(max(int(lookup_max_match), 2)), BK=p2(max(kk, 2)),
             BMM=p2(max(mm, 2)), BE=p2(max(logp_edges.numel(), depth_edges.numel(), match_edges.numel(), 2)),
             LOOKUP_MEMBER=SOURCE_LOOKUP, OUTPUTS_MEMBER=SOURCE_OUTPUTS, enable_fp_fusion=False)
-    return tokens, parents, est, valid.bool(), bins, member
+    return tokens, parents, est, valid, bins, member
 
 
 @torch.library.custom_op("graft::chain_part", mutates_args=())

@@ -1,13 +1,23 @@
 """Triton helpers shared by the kernels: the calibration's correction maps, operation for operation.
 
 Each is the Triton twin of a torch function of calibration.py, written with the same float
-operations in the same order (the kernels that use them launch without fused multiply-add), so a
-kernel and its torch reference agree bit for bit.
+operations in the same order (the kernels that use them launch without fused multiply-add, and
+divide with ``tl.div_rn``, the IEEE round-to-nearest division torch uses: a plain ``/`` compiles to
+an approximate divide on CUDA), so a kernel and its torch reference agree bit for bit.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .layout import triton
+
+
+def int8_arg(t: torch.Tensor) -> torch.Tensor:
+    """A flag tensor as an ``int8`` kernel argument without a launch: ``bool`` is viewed (the same
+    bytes, 0 / 1), ``int8`` passed as it is; any other dtype is converted (one op)."""
+    return t.view(torch.int8) if t.dtype == torch.bool else t.to(torch.int8)
+
 
 if triton is not None:
     import triton.language as tl
@@ -26,10 +36,10 @@ if triton is not None:
     def linear_correction(t, e, h, pseudo):
         """`calibration.linear_correction` of windows (trials ``t``, estimated ``e``, hits ``h``):
         ``(scale, under)``."""
-        pe = pseudo * e / tl.maximum(t, 1e-6)
+        pe = tl.div_rn(pseudo * e, tl.maximum(t, 1e-6))
         pm = pseudo - pe
         seen = t >= 1.0
-        hs = tl.minimum(tl.where(seen, (h + pe) / tl.maximum(e + pe, 1e-6), 1.0), 1.0)
-        ms = tl.minimum(tl.where(seen, (t - h + pm) / tl.maximum(t - e + pm, 1e-6), 1.0), 1.0)
+        hs = tl.minimum(tl.where(seen, tl.div_rn(h + pe, tl.maximum(e + pe, 1e-6)), 1.0), 1.0)
+        ms = tl.minimum(tl.where(seen, tl.div_rn(t - h + pm, tl.maximum(t - e + pm, 1e-6)), 1.0), 1.0)
         under = h > e
         return tl.where(under, ms, hs), under

@@ -149,27 +149,28 @@ if triton is not None:
     @triton.jit
     def _draft_kernel(tok_ptr, par_ptr, logq_ptr, depth_ptr, roots_ptr, sampled_ptr, table_ptr, edges_ptr,
                       o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch_ptr, iscratch_ptr,
-                      S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr, DD: tl.constexpr, NQ: tl.constexpr,
+                      s_tok, s_par, s_lq, s_dep, S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr, DD: tl.constexpr, NQ: tl.constexpr,
                       PER_MODE: tl.constexpr, DRAFT_NODES: tl.constexpr, BY_LOGQ: tl.constexpr,
                       ROUNDS: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr,
                       TOPK: tl.constexpr, W: tl.constexpr):
         """One request per program; candidates as lanes (``BS`` >= S + 1, lane 0 = the root).
-        ``TOPK`` > 0: a dense tree, ``par_ptr`` its ``parent_list`` ``[B, W]`` (`dense_links`), no depths."""
+        ``TOPK`` > 0: a dense tree, ``par_ptr`` its ``parent_list`` ``[B, W]`` (`dense_links`), no depths.
+        Inputs are read through their row strides ``s_*`` (views such as a tree's columns 1:)."""
         b = tl.program_id(0)
         lane = tl.arange(0, BS)
         c = lane - 1                                        # candidate index of lane (root: -1)
         live = (lane >= 1) & (lane <= S)
         cs = tl.where(live, c, 0)
-        lq = tl.load(logq_ptr + b * S + cs, mask=live, other=float("-inf"))
+        lq = tl.load(logq_ptr + b * s_lq + cs, mask=live, other=float("-inf")).to(tl.float32)
         if TOPK > 0:
             dep = ((cs + (2 * TOPK * TOPK - TOPK)) // (TOPK * TOPK)).to(tl.int64)
             if W > 0:
-                par = tl.load(par_ptr + b * W + cs // TOPK, mask=live & (cs >= TOPK), other=-1).to(tl.int64)
+                par = tl.load(par_ptr + b * s_par + cs // TOPK, mask=live & (cs >= TOPK), other=-1).to(tl.int64)
             else:
                 par = tl.full([BS], -1, dtype=tl.int64)
         else:
-            dep = tl.load(depth_ptr + b * S + cs, mask=live, other=1)
-            par = tl.load(par_ptr + b * S + cs, mask=live, other=-1)
+            dep = tl.load(depth_ptr + b * s_dep + cs, mask=live, other=1)
+            par = tl.load(par_ptr + b * s_par + cs, mask=live, other=-1).to(tl.int64)
         drafted = (lq == lq) & (lq != float("inf")) & (lq != float("-inf")) & (lq > -60.0) & live
         if not DRAFT_NODES:
             drafted = drafted & (lane < 0)
@@ -219,7 +220,7 @@ if triton is not None:
         tl.debug_barrier()
         ppos = tl.load(irow + tl.where(par < 0, 0, par + 1), mask=sel & (par >= 0), other=0)
         out = b * (K + 1) + tl.where(sel, rank, 0)
-        tok = tl.load(tok_ptr + b * S + cs, mask=sel, other=0)
+        tok = tl.load(tok_ptr + b * s_tok + cs, mask=sel, other=0).to(tl.int64)
         root = tl.load(roots_ptr + b).to(tl.int64)
         first = lane == 0
         m = sel | first
@@ -274,18 +275,26 @@ def _launch(tokens, links, logq, depth, topk: int, roots, sampled, est_table, ed
     o_valid = torch.empty(b, k + 1, dtype=torch.bool, device=dev)
     scratch = torch.empty(b, bs + 1, dtype=torch.float32, device=dev)
     iscratch = torch.empty(b, bs + 1, dtype=torch.int64, device=dev)
-    links = links.contiguous().to(torch.int64)
-    depth = links if depth is None else depth.contiguous().to(torch.int64)   # unread in the dense form
+    depth = links if depth is None else depth   # unread in the dense form
+    rows = [_rows(x) for x in (tokens, links, logq, depth)]
     if b > 0:
         # parents < own index: a path is at most S + 1 long; the sentinel is BS
-        _draft_kernel[(b,)](tokens.contiguous().to(torch.int64), links, logq.contiguous().float(), depth,
-                            roots.contiguous(), sampled.contiguous(), est_table,
-                            edges.contiguous(), o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch, iscratch,
+        (tokens, s_tok), (links, s_par), (logq, s_lq), (depth, s_dep) = rows
+        _draft_kernel[(b,)](tokens, links, logq, depth, roots, sampled, est_table, edges,
+                            o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch, iscratch, s_tok, s_par, s_lq, s_dep,
                             S=s, K=k, NE=edges.numel(), DD=draft_depth, NQ=num_q, PER_MODE=per_mode,
                             DRAFT_NODES=bool(draft_nodes), BY_LOGQ=bool(by_logq), ROUNDS=pointer_rounds(s + 2),
                             BS=bs, BJ=16, BE=triton.next_power_of_2(max(edges.numel(), 2)),
                             TOPK=int(topk), W=links.shape[1] if topk else 0)
     return o_tok, o_par, o_est, o_valid, o_bins, o_logq
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(x, its row stride)`` for a ``[B, C]`` argument read row by row in place; one copy when its
+    last axis is not contiguous."""
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    return x, x.stride(0)
 
 
 @torch.library.custom_op("graft::draft_part", mutates_args=())

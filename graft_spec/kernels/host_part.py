@@ -16,9 +16,11 @@ program per request holding the row's M candidates as vectors:
   the bin and priced with the reference's three float32 roundings (launched without FMA contraction).
 
 Every output is an integer, a boolean or the same float32 operations in the same order, so the two
-agree bit for bit. The op ``graft::host_part`` returns the four computed tensors (an op may not
-return its inputs; the tokens and members pass through); its CPU implementation is the reference and
-its CUDA implementation the kernel. `host_part` dispatches like `tree_layout` (layout.py).
+agree bit for bit. The op ``graft::host_part`` returns the reference's six tensors, the tokens and
+members as contiguous copies the kernel writes (an op may not return its inputs; the stack that
+reads them next then gets contiguous rows); the kernel reads the candidate fields in place through
+their row strides (views of the packed host block). Its CPU implementation is the reference and its
+CUDA implementation the kernel. `host_part` dispatches like `tree_layout` (layout.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from ..sources import SOURCE_OUTPUTS, SOURCE_SUFFIX
 from ..tree import node_depths, path_min, pointer_jumps, pointer_rounds
+from .common import int8_arg
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -140,32 +143,35 @@ if triton is not None:
     @triton.jit
     def _host_part_kernel(tok_ptr, par_ptr, logp_ptr, match_ptr, member_ptr, anchor_ptr, hist_ptr, count_ptr,
                           seq_ptr, sampled_ptr, table_ptr, scale_ptr, under_ptr, rbase_ptr, qedge_ptr, dedge_ptr,
-                          medge_ptr, depth_ptr, flag_ptr, clogp_ptr, par_out, est_out, valid_out, bins_out,
-                          per_mode, M: tl.constexpr, L: tl.constexpr, NM: tl.constexpr, NQE: tl.constexpr,
+                          medge_ptr, depth_ptr, flag_ptr, clogp_ptr, tok_out, par_out, est_out, valid_out, bins_out,
+                          member_out, per_mode, s_tok, s_par, s_lp, s_match, s_member, s_anchor, M: tl.constexpr, L: tl.constexpr, NM: tl.constexpr, NQE: tl.constexpr,
                           NDE: tl.constexpr, NME: tl.constexpr, CYCLE_DEPTH: tl.constexpr, BM: tl.constexpr,
                           BE: tl.constexpr):
-        """One request per program: its ``BM`` >= M candidates as lanes."""
+        """One request per program: its ``BM`` >= M candidates as lanes. The inputs are read
+        through their row strides (``s_*``: views of the packed host block), the outputs and
+        scratch rows are contiguous (``row``)."""
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BM)
         live = i < M
         row = b * M
-        par = tl.load(par_ptr + row + i, mask=live, other=-1)
+        prow = par_ptr + b * s_par
+        par = tl.load(prow + i, mask=live, other=-1)
         # walk 1: real nodes at positions 0 .. M of every path (M + 1 of them: a cycle)
         cnt = live.to(tl.int64)
         cur = par
         for _ in range(M):
             up = cur >= 0
             cnt += up.to(tl.int64)
-            cur = tl.load(par_ptr + row + tl.where(up, cur, 0), mask=up, other=-1)
+            cur = tl.load(prow + tl.where(up, cur, 0), mask=up, other=-1)
         depth = tl.where(cnt > M, CYCLE_DEPTH, cnt)
-        gap = tl.load(seq_ptr + b) + 1 - tl.load(anchor_ptr + b)
+        gap = tl.load(seq_ptr + b) + 1 - tl.load(anchor_ptr + b * s_anchor)
         ok_gap = (gap >= 0) & (gap <= tl.load(count_ptr + b)) & (gap <= L)
         consumed = depth <= gap
         src = tl.minimum(tl.maximum(L - gap + depth - 1, 0), L - 1)
         want = tl.load(hist_ptr + b * L + src, mask=live & consumed, other=0)
-        tok = tl.load(tok_ptr + row + i, mask=live, other=0)
+        tok = tl.load(tok_ptr + b * s_tok + i, mask=live, other=0)
         own = tl.where(consumed, tok == want, True)
-        lp_own = tl.load(logp_ptr + row + i, mask=live, other=0.0)
+        lp_own = tl.load(logp_ptr + b * s_lp + i, mask=live, other=0.0).to(tl.float32)
         clogp = tl.where(consumed, lp_own, float("inf"))
         tl.store(depth_ptr + row + i, depth, mask=live)
         tl.store(flag_ptr + row + i, own.to(tl.int8), mask=live)
@@ -181,8 +187,8 @@ if triton is not None:
             ok = ok & (tl.load(flag_ptr + row + safe, mask=up, other=1) != 0)
             v = tl.load(clogp_ptr + row + safe, mask=up, other=float("inf"))
             base = tl.where((v != v) | (v < base), v, base)                 # torch.minimum: NaN wins
-            cur = tl.load(par_ptr + row + safe, mask=up, other=-1)
-        member = tl.load(member_ptr + row + i, mask=live, other=-1)
+            cur = tl.load(prow + safe, mask=up, other=-1)
+        member = tl.load(member_ptr + b * s_member + i, mask=live, other=-1)
         valid = (member >= 0) & ok & (~consumed) & ok_gap & live
         par_depth = tl.load(depth_ptr + row + tl.maximum(par, 0), mask=live, other=0)
         new_par = tl.where((par >= 0) & (par_depth > gap), par, -1)
@@ -193,7 +199,7 @@ if triton is not None:
         q_bin = NQE - _edge_count(lp, qedge_ptr, NQE, BE, True)             # NaN: no edge <= it, last bin
         q_bin = tl.minimum(tl.maximum(q_bin, 0), NQE)
         d_bin = tl.minimum(_edge_count(tl.maximum(depth - gap, 1), dedge_ptr, NDE, BE, False), NDE)
-        m_bin = tl.minimum(_edge_count(tl.maximum(tl.load(match_ptr + row + i, mask=live, other=0) + gap, 1),
+        m_bin = tl.minimum(_edge_count(tl.maximum(tl.load(match_ptr + b * s_match + i, mask=live, other=0) + gap, 1),
                                        medge_ptr, NME, BE, False), NME)
         within = (d_bin * (NQE + 1) + q_bin) * (NME + 1) + m_bin
         rbase = tl.load(rbase_ptr + tl.minimum(tl.maximum(member, _LO), _HI))
@@ -205,6 +211,8 @@ if triton is not None:
         sc = tl.load(scale_ptr + b * NM + mc, mask=live, other=1.0)
         un = tl.load(under_ptr + b * NM + mc, mask=live, other=0) != 0
         priced = apply_correction(e, sc, un)
+        tl.store(tok_out + row + i, tok, mask=live)
+        tl.store(member_out + row + i, member, mask=live)
         tl.store(par_out + row + i, new_par, mask=live)
         tl.store(est_out + row + i, tl.where(valid, priced, 0.0), mask=live)
         tl.store(valid_out + row + i, valid.to(tl.int8), mask=live)
@@ -213,9 +221,12 @@ if triton is not None:
 
 def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table,
                      scale, under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`host_part_reference`'s computed results ``(parents, est, valid, bins)`` as one Triton launch
-    (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``). Same arguments.
+                     ) -> tuple[torch.Tensor, ...]:
+    """`host_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``): ``(tokens, parents, est, valid, bins, member)``, the tokens and members
+    copied out by the kernel (an op may not return its inputs). The candidate fields are read in
+    place through their row strides (views of the packed host block, `HostCandidates.unpack`; the
+    last axis contiguous), so the launch is the only kernel.
 
     Raises:
         RuntimeError: Triton is not installed.
@@ -224,29 +235,36 @@ def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, cou
         raise RuntimeError("graft host_part: Triton is not installed")
     b, m = tokens.shape
     dev = tokens.device
+    out_tok = torch.empty(b, m, dtype=torch.int64, device=dev)
     new_par = torch.empty(b, m, dtype=torch.int64, device=dev)
     est = torch.empty(b, m, dtype=torch.float32, device=dev)
     valid = torch.empty(b, m, dtype=torch.bool, device=dev)
     bins = torch.empty(b, m, dtype=torch.int64, device=dev)
+    out_member = torch.empty(b, m, dtype=torch.int64, device=dev)
     if b > 0 and m > 0:
         depth = torch.empty(b, m, dtype=torch.int64, device=dev)
         flag = torch.empty(b, m, dtype=torch.int8, device=dev)
         clogp = torch.empty(b, m, dtype=torch.float32, device=dev)
         length = hist.shape[1]
         ne = max(logp_edges.numel(), depth_edges.numel(), match_edges.numel(), 2)
+        rows = [_rows(x) for x in (tokens, parents, logp, match, member)]
         _host_part_kernel[(b,)](
-            tokens.contiguous().to(torch.int64), parents.contiguous().to(torch.int64), logp.contiguous().float(),
-            match.contiguous().to(torch.int64), member.contiguous().to(torch.int64),
-            anchor_len.contiguous().to(torch.int64), hist.contiguous().to(torch.int64),
-            count.contiguous().to(torch.int64), seq_lens.contiguous().to(torch.int64),
-            sampled.contiguous().to(torch.int8), est_table.contiguous().float(), scale.contiguous().float(),
-            under.contiguous().to(torch.int8), retrieval_base.contiguous().to(torch.int64),
-            logp_edges.contiguous().float(), depth_edges.contiguous().to(torch.int64),
-            match_edges.contiguous().to(torch.int64), depth, flag, clogp, new_par, est, valid.view(torch.int8), bins,
-            int(per_mode), M=m, L=length, NM=scale.shape[1], NQE=logp_edges.numel(), NDE=depth_edges.numel(),
+            *(x for x, _ in rows), anchor_len, hist.contiguous(), count, seq_lens, int8_arg(sampled),
+            est_table, scale, int8_arg(under), retrieval_base, logp_edges, depth_edges, match_edges,
+            depth, flag, clogp, out_tok, new_par, est, valid.view(torch.int8), bins, out_member,
+            int(per_mode), *(stride for _, stride in rows), anchor_len.stride(0),
+            M=m, L=length, NM=scale.shape[1], NQE=logp_edges.numel(), NDE=depth_edges.numel(),
             NME=match_edges.numel(), CYCLE_DEPTH=2 ** pointer_rounds(m + 2) - 1,
             BM=triton.next_power_of_2(max(m, 2)), BE=triton.next_power_of_2(ne), enable_fp_fusion=False)
-    return new_par, est, valid, bins
+    return out_tok, new_par, est, valid, bins, out_member
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(x, its row stride)`` for a ``[B, M]`` argument read row by row; one copy when its last axis
+    is not contiguous (never the case for the host block's views)."""
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    return x, x.stride(0)
 
 
 @torch.library.custom_op("graft::host_part", mutates_args=())
@@ -255,18 +273,19 @@ def _host_part_op(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tenso
                   seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
                   under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
                   depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out = host_part_reference(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled,
                               est_table, scale, under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
-    return out[1], out[2], out[3], out[4]
+    return out[0].clone(), out[1], out[2], out[3], out[4], out[5].clone()   # an op returns no input
 
 
 @_host_part_op.register_fake
 def _(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale, under,
       retrieval_base, logp_edges, depth_edges, match_edges, per_mode):
     b, m = tokens.shape
-    return (tokens.new_empty((b, m), dtype=torch.int64), tokens.new_empty((b, m), dtype=torch.float32),
-            tokens.new_empty((b, m), dtype=torch.bool), tokens.new_empty((b, m), dtype=torch.int64))
+    i64 = lambda: tokens.new_empty((b, m), dtype=torch.int64)  # noqa: E731
+    return (i64(), i64(), tokens.new_empty((b, m), dtype=torch.float32), tokens.new_empty((b, m), dtype=torch.bool),
+            i64(), i64())
 
 
 if triton is not None:
@@ -285,6 +304,5 @@ def host_part(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, m
     args = (tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale,
             under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
     if fused_kernels_for(tokens):
-        new_par, est, valid, bins = torch.ops.graft.host_part(*args)
-        return tokens, new_par, est, valid, bins, member
+        return torch.ops.graft.host_part(*args)
     return host_part_reference(*args)

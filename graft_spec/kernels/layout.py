@@ -29,11 +29,12 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 __all__ = ["layout_reference", "tree_layout", "fused_enabled", "fused_kernels_for", "layout_triton",
-           "fused_ops_everywhere"]
+           "fused_ops_everywhere", "use_reference_kernels", "kernel_path"]
 
 #: Environment switch: ``1`` = the torch reference on every device.
 REFERENCE_ENV = "GRAFT_REFERENCE_KERNELS"
 _EVERYWHERE = [False]
+_FALLBACK: list = [None]   # `use_reference_kernels`: the reason, once a start-up check failed
 
 
 @contextlib.contextmanager
@@ -55,9 +56,23 @@ def fused_kernels_for(t: torch.Tensor) -> bool:
 
 
 def fused_enabled() -> bool:
-    """True when the fused kernels may run: Triton is importable and ``GRAFT_REFERENCE_KERNELS`` is
-    not ``1``."""
-    return triton is not None and os.environ.get(REFERENCE_ENV, "0") != "1"
+    """True when the fused kernels may run: Triton is importable, ``GRAFT_REFERENCE_KERNELS`` is
+    not ``1`` and `use_reference_kernels` has not been called."""
+    return triton is not None and _FALLBACK[0] is None and os.environ.get(REFERENCE_ENV, "0") != "1"
+
+
+def use_reference_kernels(reason: str) -> None:
+    """Run the torch references from now on in this process (what a server does when a fused
+    kernel fails to compile or capture at start-up); ``reason`` is kept for `kernel_path`."""
+    _FALLBACK[0] = reason
+
+
+def kernel_path() -> str:
+    """Which implementation the fused ops run on a CUDA device: ``"fused"``, ``"reference"`` (the
+    environment switch or no Triton) or ``"reference (fallback: <reason>)"``."""
+    if _FALLBACK[0] is not None:
+        return f"reference (fallback: {_FALLBACK[0]})"
+    return "fused" if fused_enabled() else "reference"
 
 
 def layout_reference(parents: torch.Tensor, seq_lens: torch.Tensor

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import int8_arg
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -108,7 +109,8 @@ if triton is not None:
                         trials_ptr, hits_ptr, src_ptr, rc_ptr, htok_ptr, hcnt_ptr,
                         sources_ptr, members_ptr, depths_ptr, expected_ptr,
                         rc_window, N: tl.constexpr, M: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-                        W: tl.constexpr, L: tl.constexpr, MAXD: tl.constexpr, SOURCE_WINDOW: tl.constexpr,
+                        W: tl.constexpr, L: tl.constexpr, MAXD: tl.constexpr, HAS_GAIN: tl.constexpr,
+                        SOURCE_WINDOW: tl.constexpr,
                         RC_ON: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                         BK: tl.constexpr, BL: tl.constexpr):
         """One request per program: nodes as rows (``BN`` >= N), members as columns (``BM`` >= M)."""
@@ -160,9 +162,9 @@ if triton is not None:
             cf = count.to(tl.float32)
             den = tl.maximum(cf, 1.0)
             rrow = rc_ptr + slot * M * 3 + c * 3
-            t = tl.load(rrow, mask=c < M, other=0.0) + cf / den
-            e = tl.load(rrow + 1, mask=c < M, other=0.0) + (efx.to(tl.float64) * (1.0 / 4294967296.0)).to(tl.float32) / den
-            h = tl.load(rrow + 2, mask=c < M, other=0.0) + hcount.to(tl.float32) / den
+            t = tl.load(rrow, mask=c < M, other=0.0) + tl.div_rn(cf, den)
+            e = tl.load(rrow + 1, mask=c < M, other=0.0) + tl.div_rn((efx.to(tl.float64) * (1.0 / 4294967296.0)).to(tl.float32), den)
+            h = tl.load(rrow + 2, mask=c < M, other=0.0) + tl.div_rn(hcount.to(tl.float32), den)
             half = tl.where(t > rc_window, 0.5, 1.0)
             tl.store(rrow, t * half, mask=c < M)
             tl.store(rrow + 1, e * half, mask=c < M)
@@ -188,7 +190,10 @@ if triton is not None:
         tl.store(sources_ptr + b * (N - 1) + k, tl.where(found, val, -1), mask=k < N - 1)
         # expected accept length of every budget width
         q = tl.arange(0, BK)
-        col = tl.load(cols_ptr + q, mask=q < K, other=-1)
+        if HAS_GAIN:
+            col = tl.load(cols_ptr + q, mask=q < K, other=-1).to(tl.int64)
+        else:                                                                        # no gain curve
+            col = tl.full([BK], -1, tl.int64)
         g = tl.load(gain_ptr + b * G + tl.maximum(col, 0), mask=(q < K) & (col >= 0), other=0.0)
         tl.store(expected_ptr + b * K + q, 1.0 + tl.where(col >= 0, g, 0.0), mask=q < K)
 
@@ -212,17 +217,16 @@ def observe_rows_triton(bins, on_path, depth, source, estimates, base, group, sc
     depths = torch.empty(b, max_depth + 1, 2, dtype=torch.float64, device=dev)
     expected = torch.empty(b, k, dtype=torch.float32, device=dev)
     g = gain.shape[1]
-    cols = gain_cols if g > 0 else torch.full_like(gain_cols, -1)
     if b > 0:
         p2 = triton.next_power_of_2
         _observe_kernel[(b,)](
-            bins.contiguous(), on_path.contiguous().to(torch.int8), depth.contiguous(), source.contiguous(),
-            estimates, base, group, scale.contiguous().float(), under.contiguous().to(torch.int8),
-            gain.contiguous().float() if g > 0 else expected, cols.contiguous(), slot_ids.contiguous().to(torch.int64),
+            bins.contiguous(), int8_arg(on_path), depth.contiguous(), source.contiguous(),
+            estimates, base, group, scale.contiguous().float(), int8_arg(under),
+            gain.contiguous().float() if g > 0 else expected, gain_cols.contiguous(), slot_ids.contiguous().to(torch.int64),
             committed.contiguous().to(torch.int64), accept_len.contiguous().to(torch.int64),
             trials, hits, src_recent, rc_recent, hist_tokens, hist_count, sources, members, depths, expected,
             float(rc_window), N=n, M=m, G=max(g, 1), K=k, W=committed.shape[1], L=hist_tokens.shape[1],
-            MAXD=max_depth, SOURCE_WINDOW=bool(source_window), RC_ON=rc_window > 0, BN=p2(max(n, 2)),
+            MAXD=max_depth, HAS_GAIN=g > 0, SOURCE_WINDOW=bool(source_window), RC_ON=rc_window > 0, BN=p2(max(n, 2)),
             BM=p2(max(m, 2)), BD=p2(max_depth + 1), BK=p2(max(k, 2)), BL=p2(max(hist_tokens.shape[1], 2)),
             enable_fp_fusion=False)
     return sources, members, depths, expected

@@ -118,7 +118,7 @@ if triton is not None:
             tl.store(trials_ptr + i, t, mask=live)
             tl.store(hits_ptr + i, h, mask=live)
             pr = tl.load(prior_ptr + i, mask=live, other=0.0)
-            est = (h + w * pr) / (t + w)
+            est = tl.div_rn(h + w * pr, t + w)
             tl.store(base_ptr + i, tl.where(i == S1 - 1, 0.0, est), mask=live)
         tl.debug_barrier()
         # 2. agreement bins, per mode
@@ -128,8 +128,8 @@ if triton is not None:
             ah = tl.load(hits_ptr + ai, mask=q < A, other=0.0)
             at = tl.load(trials_ptr + ai, mask=q < A, other=0.0)
             ap = tl.load(prior_ptr + ai, mask=q < A, other=0.0)
-            ratio = (_from_fx(_fx_sum(ah)) + 1.0) / (_from_fx(_fx_sum(at * ap)) + 1.0)
-            val = (ah + w * tl.minimum(ap * ratio, 0.99)) / (at + w)
+            ratio = tl.div_rn(_from_fx(_fx_sum(ah)) + 1.0, _from_fx(_fx_sum(at * ap)) + 1.0)
+            val = tl.div_rn(ah + w * tl.minimum(ap * ratio, 0.99), at + w)
             tl.store(base_ptr + ai, val, mask=q < A)
         tl.debug_barrier()
         # 3. retrieval chains: rows (mode, member), tile [depth bin, (probability, match) bin]
@@ -143,8 +143,8 @@ if triton is not None:
             idx = tl.load(retr_ptr + row * D * P + dd[:, None] * P + pp[None, :], mask=live2, other=0)
             den = tl.load(trials_ptr + idx, mask=live2, other=0.0) + w
             first = tl.load(base_ptr + idx, mask=live2, other=0.0)
-            a = tl.where(dd[:, None] == 0, first, tl.load(hits_ptr + idx, mask=live2, other=0.0) / den)
-            bb = cw[:, None] / den
+            a = tl.where(dd[:, None] == 0, first, tl.div_rn(tl.load(hits_ptr + idx, mask=live2, other=0.0), den))
+            bb = tl.div_rn(cw[:, None], den)
             shift = 1
             while shift < D:
                 tl.debug_barrier()

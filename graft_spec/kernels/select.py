@@ -296,7 +296,7 @@ if triton is not None:
         dst = b * N + newidx
         tl.store(out_tok + dst, tok, mask=put)
         tl.store(out_par + dst, npar, mask=put)
-        tl.store(out_est + dst, tl.maximum(gest, 0.0), mask=put)
+        tl.store(out_est + dst, tl.log(tl.maximum(gest, 0.0)), mask=put)          # the tree's logp
         tl.store(out_src + dst, src, mask=put)
         tl.store(out_mb + dst[:, None] * _NM + mlanes[None, :], mb, mask=put[:, None] & (mlanes[None, :] < _NM))
         q = tl.arange(0, BN)
@@ -320,7 +320,7 @@ if triton is not None:
         dq = b * N + q
         tl.store(out_tok + dq, tl.where(q == 0, root_tok, pad_tok.to(tl.int64)), mask=spot)
         tl.store(out_par + dq, tl.where(q == 0, -1, 0).to(tl.int64), mask=spot)
-        tl.store(out_est + dq, tl.where(q == 0, 1.0, 0.0), mask=spot)
+        tl.store(out_est + dq, tl.where(q == 0, 0.0, float("-inf")), mask=spot)   # log 1, log 0
         tl.store(out_src + dq, tl.where(q == 0, _DRAFT, _PADDING).to(tl.int64), mask=spot)
         tl.store(out_mb + dq[:, None] * _NM + mlanes[None, :], tl.full([BN, 8], -1, tl.int64),
                  mask=spot[:, None] & (mlanes[None, :] < _NM))
@@ -333,7 +333,9 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
                   agree_rows: Optional[torch.Tensor]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`graft.merge_select_reference` as one Triton launch (CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1``) and the log of the estimates. Same arguments and results.
+    ``TRITON_INTERPRET=1``), the log of the estimates taken in the kernel. Same arguments and
+    results: bit for bit except ``logp``, whose ``log`` is the device's (equal to the reference's
+    within float32 rounding).
 
     Raises:
         RuntimeError: Triton is not installed.
@@ -367,7 +369,7 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
             CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
             HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
             num_warps=8 if u > 64 else 4)
-    return out_tok, out_par, out_est.log(), out_src, out_mb, gain
+    return out_tok, out_par, out_est, out_src, out_mb, gain
 
 
 @torch.library.custom_op("graft::merge_select", mutates_args=())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import int8_arg
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -118,7 +119,7 @@ def successor_update_triton(table, tokens, topk_ids, valid, groups, rows: int, v
     topk = topk_ids.reshape(m, -1).contiguous().to(torch.int64)
     bi = 32
     _successor_kernel[(triton.cdiv(m, bi),)](table, tokens.contiguous().to(torch.int64), topk,
-                                            valid.contiguous().to(torch.int8), groups.contiguous().to(torch.int64),
+                                            int8_arg(valid), groups.contiguous().to(torch.int64),
                                             m, rows, vocab, KP=topk.shape[1], K=k, KK=min(k, topk.shape[1]), BI=bi,
                                             BJ=128, BK=triton.next_power_of_2(max(k, 2)))
 

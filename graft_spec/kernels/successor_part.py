@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..sources import SOURCE_SUCCESSOR
+from .common import int8_arg
 from .layout import fused_kernels_for, triton
 from .successor import group_rows, table_rows
 
@@ -160,19 +161,19 @@ def successor_part_triton(roots: torch.Tensor, groups: torch.Tensor, sampled: to
     tokens = torch.empty(b, t, dtype=torch.int64, device=dev)
     parents = torch.empty_like(tokens)
     est = torch.empty(b, t, dtype=torch.float32, device=dev)
-    valid = torch.empty(b, t, dtype=torch.int8, device=dev)
+    valid = torch.empty(b, t, dtype=torch.bool, device=dev)
     bins = torch.empty_like(tokens)
     member = torch.empty_like(tokens)
     if b > 0 and t > 0:
         _successor_part_kernel[(b,)](
             roots.contiguous().to(torch.int64), groups.contiguous().to(torch.int64),
-            sampled.contiguous().to(torch.int8), table.contiguous(), t_parent.contiguous(), t_rank.contiguous(),
+            int8_arg(sampled), table.contiguous(), t_parent.contiguous(), t_rank.contiguous(),
             t_depth.contiguous(), est_table.contiguous(), scale.contiguous().float(),
-            under.contiguous().to(torch.int8), tokens, parents, est, valid, bins, member,
+            int8_arg(under), tokens, parents, est, valid.view(torch.int8), bins, member,
             int(rows), int(vocab), int(bin_offset), int(per_mode),
             T=t, K=table.shape[1], M=scale.shape[1], LEVELS=int(levels), MEMBER=SOURCE_SUCCESSOR,
             BLOCK=triton.next_power_of_2(max(t, 2)), enable_fp_fusion=False)
-    return tokens, parents, est, valid.bool(), bins, member
+    return tokens, parents, est, valid, bins, member
 
 
 @torch.library.custom_op("graft::successor_part", mutates_args=())

@@ -130,12 +130,28 @@ def _assert_kernel_equals_reference(case: dict) -> None:
 
     args = case_args(case)
     ref = host_part_reference(*args)
-    fused = host_part_triton(*args)
-    for name, r, f in zip(NAMES[1:5], ref[1:5], fused):
-        assert r.dtype == f.dtype and r.shape == f.shape, name
-        if r.dtype == torch.float32:                      # bit for bit, signed zeros included
-            r, f = r.view(torch.int32), f.view(torch.int32)
-        assert torch.equal(r, f), name
+    for fused in (host_part_triton(*args), host_part_triton(*packed_args(case))):
+        for name, r, f in zip(NAMES, ref, fused):
+            assert r.dtype == f.dtype and r.shape == f.shape, name
+            if r.dtype == torch.float32:                      # bit for bit, signed zeros included
+                r, f = r.view(torch.int32), f.view(torch.int32)
+            assert torch.equal(r, f), name
+
+
+def packed_args(case: dict) -> tuple:
+    """`case_args` with the candidate fields as the worker passes them: views of a packed host block
+    (`HostCandidates.unpack`: strided rows, the anchor lengths a column)."""
+    from graft_spec.retrieval.buffer import HostCandidates
+
+    b, m = case["tokens"].shape
+    host = HostCandidates(case["tokens"], case["parents"], case["logp"].double(), case["member"], case["match"],
+                          case["anchor_len"], torch.zeros(b, dtype=torch.int64), torch.ones(b, dtype=torch.bool))
+    block = torch.zeros(b, 5, m + 1, dtype=torch.int64)
+    host.pack_into(block)
+    h = HostCandidates.unpack(block)
+    assert not h.tokens.is_contiguous() or b == 1
+    return case_args(dict(case, tokens=h.tokens, parents=h.parents, logp=h.logp, match=h.match, member=h.member,
+                          anchor_len=h.anchor_len))
 
 
 @settings(max_examples=10, deadline=None)

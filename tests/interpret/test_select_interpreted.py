@@ -63,7 +63,10 @@ def compare(args):
     ref = merge_select_reference(*args)
     for name, a, r in zip(NAMES, fused, ref):
         assert a.dtype == r.dtype and a.shape == r.shape, name
-        assert torch.equal(a, r), (name, (a != r).nonzero()[:4].tolist())
+        if name == "logp":   # the kernel's own log: within float32 rounding, -inf where the estimate is 0
+            assert torch.equal(a.isinf(), r.isinf()) and torch.allclose(a, r, rtol=1e-6, atol=1e-7), name
+        else:                # every other output bit for bit
+            assert torch.equal(a, r), (name, (a != r).nonzero()[:4].tolist())
 
 
 @st.composite
