@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from .calibration import from_fixed, to_fixed
 from .candidates import Candidates
 from .config import GraftPolicy
 from .kernels.select import select_fused
@@ -119,7 +120,8 @@ def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, li
     the draft and a retrieval source disagree under one parent, their marginal estimates can sum to
     more than the parent's, and without this bound the selection would spend slots on both instead
     of going deeper on the likelier one. Sort-based (two stable sorts and a segmented prefix sum,
-    O(U log U), static shapes).
+    O(U log U), static shapes); the prefix sum is taken in 2**-32 fixed point (`to_fixed`), exact in
+    any order, so a parallel scan (the fused kernel's) gives the same caps bit for bit.
 
     Args:
         est: ``float32[B, U]`` estimated path acceptance (the parent's is the bound's base; the
@@ -137,13 +139,13 @@ def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, li
     par = torch.where(torch.arange(u, device=dev) == 0, -1, par)       # the root sorts first
     by_key = torch.argsort(order_key(key), dim=1, descending=True, stable=True)
     order = by_key.gather(1, torch.argsort(par.gather(1, by_key), dim=1, stable=True))
-    ps, es = par.gather(1, order), e.gather(1, order)
-    before = torch.cumsum(es, dim=1) - es                          # mass of everything sorted earlier
+    ps, es = par.gather(1, order), to_fixed(e.clamp(min=0.0)).gather(1, order)
+    before = torch.cumsum(es, dim=1) - es                          # mass sorted earlier (fixed point: exact)
     ar = torch.arange(u, device=dev).expand(b, u)
     head = torch.ones_like(ps, dtype=torch.bool)
     head[:, 1:] = ps[:, 1:] != ps[:, :-1]
     start = torch.cummax(torch.where(head, ar, 0), dim=1).values   # first sorted slot of the sibling group
-    above = torch.empty_like(before).scatter_(1, order, before - before.gather(1, start))
+    above = from_fixed(torch.empty_like(before).scatter_(1, order, before - before.gather(1, start)))
     base = torch.where(parents < 0, 1.0, est.float().gather(1, parents.clamp(min=0)))
     cap = (base - above).clamp(min=0.0)
     cap[:, 0].fill_(math.inf)
@@ -292,7 +294,7 @@ def merge_select_reference(tokens: torch.Tensor, parents: torch.Tensor, key: tor
     rkey = order_key(rest)
     top_idx = torch.topk(rkey, k, dim=1).indices                               # sorted: best first
     ranked = torch.where(rest.gather(1, top_idx) > -math.inf, gest[:, 1:].gather(1, top_idx), 0.0)
-    gain = torch.cumsum(ranked.clamp(min=0.0), dim=1)
+    gain = from_fixed(torch.cumsum(to_fixed(ranked.clamp(min=0.0)), dim=1))   # exact, in any order
     if k < g:  # fewer candidates than widths: wider trees add padding only
         last = gain[:, -1:] if k > 0 else torch.zeros(b, 1, device=dev)
         gain = torch.cat([gain, last.expand(b, g - k)], dim=1)

@@ -416,10 +416,10 @@ class TestBatchBudget:
         mib = 1 << 20
         assert r["source"] == "batch_budget.width_reserve_mib" and r["widths"] == [1, 12, 24] and not r["dropped"]
         assert r["by_width"] == {"1": RESERVE_MIB * mib, "12": RESERVE_MIB * mib}
-        state = sum(r["planner_state_bytes"].values())   # graft's retrieval state came off first
-        assert state > 0 and r["planner_state_bytes"]["successor_table"] > 0
+        planner_bytes = sum(r["planner_state_bytes"].values())   # graft's retrieval state came off first
+        assert planner_bytes > 0 and r["planner_state_bytes"]["successor_table"] > 0
         assert r["kv_bytes"] == r["profiled_bytes"] - r["reserve_bytes"] == \
-            r["profiled_bytes"] - 2 * RESERVE_MIB * mib - state
+            r["profiled_bytes"] - 2 * RESERVE_MIB * mib - planner_bytes
         without, tokens, capacity = r["kv_tokens_without_reserve"], r["kv_tokens"], state["kv"]["capacity"]
         per_token = r["profiled_bytes"] / without
         assert abs((without - tokens) - r["reserve_bytes"] / per_token) <= 2   # the reserve, in tokens
@@ -441,7 +441,8 @@ class TestBatchBudget:
                                                           "custom_params": {"graft_speculate": False}}}
         out = httpx.post(f"{budget.url}/generate", json=body, timeout=900).json()
         assert out["output_ids"] == reference[0]
-        assert set(out["meta_info"]["graft_src"]) <= {"t", "p"}, out["meta_info"]["graft_src"]
+        # only target tokens: a request that never speculated (plain rounds) has no sources at all
+        assert set(out["meta_info"].get("graft_src", "")) <= {"t", "p"}, out["meta_info"]["graft_src"]
 
 
 class TestDeferredDraftExtend:
@@ -474,5 +475,6 @@ class TestDeferredDraftExtend:
         record_property("deferred_draft_extend", json.dumps({"draft_accepted": [d_on, d_off], **deferred}))
         print(f"\nSGLANG-GRAFT-DEFER draft accepted {d_on} (deferred) vs {d_off} (per round)", json.dumps(deferred))
         assert deferred["catch_ups"] > 0 and deferred["skipped"] > 0
-        assert "deferred_draft_extend" not in info_off["batch_budget"]
+        per_round = info_off["batch_budget"]["deferred_draft_extend"]   # a window of 1: caught up every round
+        assert per_round["skipped"] > 0 and per_round["catch_ups"] > deferred["catch_ups"]
         assert d_off > 100 and abs(d_on - d_off) <= 0.05 * d_off

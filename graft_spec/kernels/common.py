@@ -28,6 +28,11 @@ if triton is not None:
         return (x.to(tl.float64) * 4294967296.0).to(tl.int64)
 
     @triton.jit
+    def from_fixed(x):
+        """`calibration.from_fixed`: an ``int64`` fixed-point value as ``float32`` through float64."""
+        return (x.to(tl.float64) * (1.0 / 4294967296.0)).to(tl.float32)
+
+    @triton.jit
     def apply_correction(est, scale, under):
         """`calibration.apply_correction`: ``1 - (1 - est) * scale`` where ``under``, else ``est * scale``."""
         return tl.where(under, 1.0 - (1.0 - est) * scale, est * scale)

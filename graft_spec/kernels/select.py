@@ -12,12 +12,12 @@ row's U candidates as vectors:
   row's scratch and read back ``BJ = max(8, 4096 / BLOCK)`` lanes per loop step (at most BLOCK),
   so a tile is at most 4,096 elements, 16 per thread at 8 warps, whatever U (whole ``BLOCK**2``
   tiles spill registers and make the compiled code grow with ``U**2``);
-- the float prefix sums (`sibling_caps`' and the gain curve's ``torch.cumsum``) run as one
-  sequential loop over a scratch row, accumulating in float64 and rounding every partial sum to
-  float32, as torch's CPU cumsum does, so the two agree bit for bit (the reference run on a CUDA
-  device takes CUDA's cumsum, which may round its last bit differently);
-- the estimate leaves the kernel clamped at 0 and its log (the tree's ``logp``) is the same
-  ``torch.log`` the reference takes.
+- the prefix sums (`sibling_caps`' and the gain curve's) are sums of estimates in 2**-32 fixed
+  point (`calibration.to_fixed`), so they are exact in any order: one ``tl.cumsum`` over the row's
+  lanes, no loop over candidates, equal to the reference's ``torch.cumsum`` bit for bit on any
+  device;
+- the tree's ``logp`` is the log of the estimate clamped at 0, taken in the kernel (``tl.log``: equal
+  to the reference's ``torch.log`` within float32 rounding; every other output is bit for bit).
 
 The op ``graft::merge_select`` takes `merge_select`'s arguments flattened (the policy fields, the
 agreement tuple, optional tensors as ``Tensor?``); its CPU implementation is the reference and its
@@ -36,6 +36,8 @@ from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .common import from_fixed, to_fixed
 
 __all__ = ["select_fused", "select_triton"]
 
@@ -98,11 +100,8 @@ if triton is not None:
         # the row's scratch: a gather x[idx] stores x, syncs the program and loads at idx
         iw0 = iscratch + b * (2 * U)
         iw1 = iw0 + U
-        fw0 = fscratch + b * (5 * U)
+        fw0 = fscratch + b * (2 * U)
         fw1 = fw0 + U
-        sorted_e = fw0 + 2 * U
-        before = fw0 + 3 * U
-        ranked = fw0 + 4 * U
         jw0 = jscratch + b * (4 * U)      # the j side of the U x U reductions, read BJ lanes at a time
         jw1 = jw0 + U
         jw2 = jw0 + 2 * U
@@ -240,15 +239,12 @@ if triton is not None:
                 start += tl.sum(lower.to(tl.int32), axis=1)
                 pos += tl.sum((lower | ((cj == cpar[:, None]) & (tl.load(jw1 + j, mask=j < U, other=0)[None, :]
                                                                   > ok2[:, None]) & inj)).to(tl.int32), axis=1)
-            tl.store(sorted_e + pos, e, mask=live)
+            tl.store(jw2 + pos, to_fixed(tl.maximum(e, 0.0)), mask=live)            # sorted, fixed point
             tl.debug_barrier()
-            acc = tl.full([], 0.0, tl.float64)
-            for k in range(U):
-                ek = tl.load(sorted_e + k)
-                acc += ek.to(tl.float64)
-                tl.store(before + k, acc.to(tl.float32) - ek)
+            sv = tl.load(jw2 + lanes, mask=live, other=0)
+            tl.store(jw3 + lanes, tl.cumsum(sv, axis=0) - sv, mask=live)        # mass sorted earlier
             tl.debug_barrier()
-            above = tl.load(before + pos, mask=live, other=0.0) - tl.load(before + start, mask=live, other=0.0)
+            above = from_fixed(tl.load(jw3 + pos, mask=live, other=0) - tl.load(jw3 + start, mask=live, other=0))
             tl.debug_barrier()
             tl.store(fw0 + lanes, gest, mask=live)
             tl.debug_barrier()
@@ -277,12 +273,18 @@ if triton is not None:
         rest = live & (lanes > 0)
         ok3 = _order_key(gkey, lanes)
         rank = _rank_above(ok3, lanes, live, jw0, 1, U, BLOCK, BJ)
-        tl.store(ranked + rank, tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0), mask=rest)
+        tl.store(jw2 + rank, to_fixed(tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0)), mask=rest)
         tl.debug_barrier()
-        acc = tl.full([], 0.0, tl.float64)
-        for r in range(G):
-            acc += tl.load(ranked + r, mask=r < U - 1, other=0.0).to(tl.float64)
-            tl.store(out_gain + b * G + r, acc.to(tl.float32))
+        gv = tl.load(jw2 + lanes, mask=lanes < U - 1, other=0)
+        tl.store(jw3 + lanes, tl.cumsum(gv, axis=0), mask=lanes < U - 1)          # gain[k]: the k + 1 best
+        tl.debug_barrier()
+        for g0 in range(0, G, BLOCK):       # widths past the candidates repeat the last value (padding)
+            gi = g0 + lanes
+            if U > 1:
+                gcum = tl.load(jw3 + tl.minimum(gi, U - 2), mask=gi < G, other=0)
+            else:
+                gcum = tl.zeros([BLOCK], dtype=tl.int64)
+            tl.store(out_gain + b * G + gi, from_fixed(gcum), mask=gi < G)
         sel = (lanes == 0) | (rest & (rank < KN) & (gkey > -inf))
 
         # 4. compact the selected nodes (positions 1 .. count-1); the root and padding go by position
@@ -355,7 +357,7 @@ def select_triton(tokens: torch.Tensor, parents: torch.Tensor, key: torch.Tensor
     gain = torch.empty(b, g, dtype=torch.float32, device=dev)
     if b > 0:
         iscratch = torch.empty(b, 2 * u, dtype=torch.int64, device=dev)
-        fscratch = torch.empty(b, 5 * u, dtype=torch.float32, device=dev)
+        fscratch = torch.empty(b, 2 * u, dtype=torch.float32, device=dev)
         jscratch = torch.empty(b, 4 * u, dtype=torch.int64, device=dev)
         flags = lambda t: t.contiguous() if t is not None else out_tok  # noqa: E731  (bool, or unused)
         table = agree_table.contiguous().float() if agree_table is not None else out_est
