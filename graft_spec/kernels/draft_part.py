@@ -155,7 +155,10 @@ if triton is not None:
                       TOPK: tl.constexpr, W: tl.constexpr):
         """One request per program; candidates as lanes (``BS`` >= S + 1, lane 0 = the root).
         ``TOPK`` > 0: a dense tree, ``par_ptr`` its ``parent_list`` ``[B, W]`` (`dense_links`), no depths.
-        Inputs are read through their row strides ``s_*`` (views such as a tree's columns 1:)."""
+        Inputs are read through their row strides ``s_*`` (views such as a tree's columns 1:).
+
+        Work per program: the bins O(S * NE); `path_min` O(S log S) in ``ROUNDS`` barriered rounds;
+        the top-K rank O(S**2) int64 comparisons in ``BS / BJ`` steps of ``[BS, BJ]`` tiles."""
         b = tl.program_id(0)
         lane = tl.arange(0, BS)
         c = lane - 1                                        # candidate index of lane (root: -1)

@@ -149,7 +149,9 @@ if triton is not None:
                           BE: tl.constexpr):
         """One request per program: its ``BM`` >= M candidates as lanes. The inputs are read
         through their row strides (``s_*``: views of the packed host block), the outputs and
-        scratch rows are contiguous (``row``)."""
+        scratch rows are contiguous (``row``).
+
+        Work per program: two M-step walks up the parents, O(M**2); the bins O(M * NE)."""
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BM)
         live = i < M

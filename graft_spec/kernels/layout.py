@@ -96,7 +96,10 @@ if triton is not None:
     @triton.jit
     def _layout_kernel(parents_ptr, seq_lens_ptr, depth_ptr, pos_ptr, mask_ptr, first_ptr, next_ptr,
                        N: tl.constexpr, BLOCK: tl.constexpr):
-        """One request per program: ``BLOCK`` >= N nodes as rows (i) and columns (j)."""
+        """One request per program: ``BLOCK`` >= N nodes as rows (i) and columns (j).
+
+        Work per program: O(N**2) per step of the N-step ancestor walk (O(N**3) in all, on an
+        ``[BLOCK, BLOCK]`` tile), O(N**2) for the sibling links."""
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         j = tl.arange(0, BLOCK)

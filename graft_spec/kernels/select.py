@@ -92,7 +92,13 @@ if triton is not None:
                        HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr, HAS_ROWS: tl.constexpr,
                        MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr):
         """One request per program; the candidates in ``BLOCK`` >= U lanes (see the module docstring
-        for the steps, which follow `graft.merge_select_reference` line for line)."""
+        for the steps, which follow `graft.merge_select_reference` line for line).
+
+        Work per program: the pointer-jumping steps (path hashes, `path_min`, twice more with the
+        sibling caps) O(U log U) in ``ROUNDS`` = ceil(log2(U + 1)) barriered rounds each; the
+        ``U x U`` comparisons (4 dedupe passes, the best member with its 7 member bins, the caps' sort
+        positions, the root-width and fill ranks) O(U**2) in ``BLOCK / BJ`` steps of ``[BLOCK, BJ]``
+        tiles each; the prefix sums O(U) in one scan each."""
         b = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         live = lanes < U
