@@ -19,6 +19,15 @@ def int8_arg(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int8) if t.dtype == torch.bool else t.to(torch.int8)
 
 
+def row_arg(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(x, its row stride)`` for a ``[B, C]`` kernel argument read row by row in place (a view such
+    as a packed block's field or a tree's columns 1:); one copy when its last axis is not
+    contiguous."""
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
 if triton is not None:
     import triton.language as tl
 

@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..tree import order_key, path_min, pointer_rounds, top_mask
+from .common import row_arg
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -149,7 +150,8 @@ if triton is not None:
     @triton.jit
     def _draft_kernel(tok_ptr, par_ptr, logq_ptr, depth_ptr, roots_ptr, sampled_ptr, table_ptr, edges_ptr,
                       o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch_ptr, iscratch_ptr,
-                      s_tok, s_par, s_lq, s_dep, S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr, DD: tl.constexpr, NQ: tl.constexpr,
+                      s_tok, s_par, s_lq, s_dep, S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr,
+                      DD: tl.constexpr, NQ: tl.constexpr,
                       PER_MODE: tl.constexpr, DRAFT_NODES: tl.constexpr, BY_LOGQ: tl.constexpr,
                       ROUNDS: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr,
                       TOPK: tl.constexpr, W: tl.constexpr):
@@ -279,7 +281,7 @@ def _launch(tokens, links, logq, depth, topk: int, roots, sampled, est_table, ed
     scratch = torch.empty(b, bs + 1, dtype=torch.float32, device=dev)
     iscratch = torch.empty(b, bs + 1, dtype=torch.int64, device=dev)
     depth = links if depth is None else depth   # unread in the dense form
-    rows = [_rows(x) for x in (tokens, links, logq, depth)]
+    rows = [row_arg(x) for x in (tokens, links, logq, depth)]
     if b > 0:
         # parents < own index: a path is at most S + 1 long; the sentinel is BS
         (tokens, s_tok), (links, s_par), (logq, s_lq), (depth, s_dep) = rows
@@ -290,14 +292,6 @@ def _launch(tokens, links, logq, depth, topk: int, roots, sampled, est_table, ed
                             BS=bs, BJ=16, BE=triton.next_power_of_2(max(edges.numel(), 2)),
                             TOPK=int(topk), W=links.shape[1] if topk else 0)
     return o_tok, o_par, o_est, o_valid, o_bins, o_logq
-
-
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(x, its row stride)`` for a ``[B, C]`` argument read row by row in place; one copy when its
-    last axis is not contiguous."""
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    return x, x.stride(0)
 
 
 @torch.library.custom_op("graft::draft_part", mutates_args=())

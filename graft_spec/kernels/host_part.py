@@ -31,7 +31,7 @@ import torch
 
 from ..sources import SOURCE_OUTPUTS, SOURCE_SUFFIX
 from ..tree import node_depths, path_min, pointer_jumps, pointer_rounds
-from .common import int8_arg
+from .common import int8_arg, row_arg
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -144,7 +144,8 @@ if triton is not None:
     def _host_part_kernel(tok_ptr, par_ptr, logp_ptr, match_ptr, member_ptr, anchor_ptr, hist_ptr, count_ptr,
                           seq_ptr, sampled_ptr, table_ptr, scale_ptr, under_ptr, rbase_ptr, qedge_ptr, dedge_ptr,
                           medge_ptr, depth_ptr, flag_ptr, clogp_ptr, tok_out, par_out, est_out, valid_out, bins_out,
-                          member_out, per_mode, s_tok, s_par, s_lp, s_match, s_member, s_anchor, M: tl.constexpr, L: tl.constexpr, NM: tl.constexpr, NQE: tl.constexpr,
+                          member_out, per_mode, s_tok, s_par, s_lp, s_match, s_member, s_anchor,
+                          M: tl.constexpr, L: tl.constexpr, NM: tl.constexpr, NQE: tl.constexpr,
                           NDE: tl.constexpr, NME: tl.constexpr, CYCLE_DEPTH: tl.constexpr, BM: tl.constexpr,
                           BE: tl.constexpr):
         """One request per program: its ``BM`` >= M candidates as lanes. The inputs are read
@@ -249,7 +250,7 @@ def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, cou
         clogp = torch.empty(b, m, dtype=torch.float32, device=dev)
         length = hist.shape[1]
         ne = max(logp_edges.numel(), depth_edges.numel(), match_edges.numel(), 2)
-        rows = [_rows(x) for x in (tokens, parents, logp, match, member)]
+        rows = [row_arg(x) for x in (tokens, parents, logp, match, member)]
         _host_part_kernel[(b,)](
             *(x for x, _ in rows), anchor_len, hist.contiguous(), count, seq_lens, int8_arg(sampled),
             est_table, scale, int8_arg(under), retrieval_base, logp_edges, depth_edges, match_edges,
@@ -259,14 +260,6 @@ def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, cou
             NME=match_edges.numel(), CYCLE_DEPTH=2 ** pointer_rounds(m + 2) - 1,
             BM=triton.next_power_of_2(max(m, 2)), BE=triton.next_power_of_2(ne), enable_fp_fusion=False)
     return out_tok, new_par, est, valid, bins, out_member
-
-
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(x, its row stride)`` for a ``[B, M]`` argument read row by row; one copy when its last axis
-    is not contiguous (never the case for the host block's views)."""
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    return x, x.stride(0)
 
 
 @torch.library.custom_op("graft::host_part", mutates_args=())

@@ -23,7 +23,7 @@ from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
-    from .common import apply_correction, to_fixed
+    from .common import apply_correction, from_fixed, to_fixed
 
 __all__ = ["observe_rows", "observe_rows_reference", "observe_rows_triton", "gain_columns", "expected_lengths",
            "accepted_sources"]
@@ -163,7 +163,7 @@ if triton is not None:
             den = tl.maximum(cf, 1.0)
             rrow = rc_ptr + slot * M * 3 + c * 3
             t = tl.load(rrow, mask=c < M, other=0.0) + tl.div_rn(cf, den)
-            e = tl.load(rrow + 1, mask=c < M, other=0.0) + tl.div_rn((efx.to(tl.float64) * (1.0 / 4294967296.0)).to(tl.float32), den)
+            e = tl.load(rrow + 1, mask=c < M, other=0.0) + tl.div_rn(from_fixed(efx), den)
             h = tl.load(rrow + 2, mask=c < M, other=0.0) + tl.div_rn(hcount.to(tl.float32), den)
             half = tl.where(t > rc_window, 0.5, 1.0)
             tl.store(rrow, t * half, mask=c < M)
@@ -222,7 +222,8 @@ def observe_rows_triton(bins, on_path, depth, source, estimates, base, group, sc
         _observe_kernel[(b,)](
             bins.contiguous(), int8_arg(on_path), depth.contiguous(), source.contiguous(),
             estimates, base, group, scale.contiguous().float(), int8_arg(under),
-            gain.contiguous().float() if g > 0 else expected, gain_cols.contiguous(), slot_ids.contiguous().to(torch.int64),
+            gain.contiguous().float() if g > 0 else expected, gain_cols.contiguous(),
+            slot_ids.contiguous().to(torch.int64),
             committed.contiguous().to(torch.int64), accept_len.contiguous().to(torch.int64),
             trials, hits, src_recent, rc_recent, hist_tokens, hist_count, sources, members, depths, expected,
             float(rc_window), N=n, M=m, G=max(g, 1), K=k, W=committed.shape[1], L=hist_tokens.shape[1],

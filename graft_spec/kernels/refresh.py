@@ -22,7 +22,7 @@ from .layout import fused_kernels_for, triton
 
 if triton is not None:
     import triton.language as tl
-    from .common import apply_correction, linear_correction, to_fixed
+    from .common import apply_correction, from_fixed, linear_correction, to_fixed
 
 __all__ = ["refresh_table", "refresh_reference", "refresh_triton"]
 
@@ -85,10 +85,6 @@ if triton is not None:
         return tl.sum(to_fixed(x), axis=0)
 
     @triton.jit
-    def _from_fx(x):
-        return (x.to(tl.float64) * (1.0 / 4294967296.0)).to(tl.float32)
-
-    @triton.jit
     def _refresh_kernel(hits_ptr, trials_ptr, prior_ptr, src_ptr, group_ptr, agree_ptr, retr_ptr, cw_ptr,
                         base_ptr, table_ptr, scratch_ptr, w, halve_at, window_fx, pseudo,
                         S1: tl.constexpr, NR: tl.constexpr, A: tl.constexpr, RM: tl.constexpr,
@@ -128,7 +124,7 @@ if triton is not None:
             ah = tl.load(hits_ptr + ai, mask=q < A, other=0.0)
             at = tl.load(trials_ptr + ai, mask=q < A, other=0.0)
             ap = tl.load(prior_ptr + ai, mask=q < A, other=0.0)
-            ratio = tl.div_rn(_from_fx(_fx_sum(ah)) + 1.0, _from_fx(_fx_sum(at * ap)) + 1.0)
+            ratio = tl.div_rn(from_fixed(_fx_sum(ah)) + 1.0, from_fixed(_fx_sum(at * ap)) + 1.0)
             val = tl.div_rn(ah + w * tl.minimum(ap * ratio, 0.99), at + w)
             tl.store(base_ptr + ai, val, mask=q < A)
         tl.debug_barrier()
@@ -167,9 +163,9 @@ if triton is not None:
             est = tl.load(base_ptr + i, mask=live, other=0.0)
             if WINDOW_ON:
                 g = tl.load(group_ptr + i, mask=live, other=0)
-                t = _from_fx(tl.load(src_ptr + g * 3, mask=live, other=0))
-                e = _from_fx(tl.load(src_ptr + g * 3 + 1, mask=live, other=0))
-                h = _from_fx(tl.load(src_ptr + g * 3 + 2, mask=live, other=0))
+                t = from_fixed(tl.load(src_ptr + g * 3, mask=live, other=0))
+                e = from_fixed(tl.load(src_ptr + g * 3 + 1, mask=live, other=0))
+                h = from_fixed(tl.load(src_ptr + g * 3 + 2, mask=live, other=0))
                 sc, under = linear_correction(t, e, h, pseudo)
                 est = apply_correction(est, sc, under)
             tl.store(table_ptr + i, est, mask=live)
