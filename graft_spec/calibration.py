@@ -61,14 +61,17 @@ data-dependent control flow; the tables live on the engine's device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .kernels.refresh import refresh_table
-from .sources import (NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_NAMES,
-                      SOURCE_SUCCESSOR, SOURCE_SUFFIX, SOURCE_OUTPUTS)
+from .kernels.views import CalibrationState, DraftBins, RefreshIndex, RefreshOptions, RetrievalBins
+from .numerics.bins import DEPTH_EDGES, LOGP_EDGES, MATCH_EDGES, draft_bin_ids, q_bins, retrieval_bin_ids
+from .numerics.correction import apply_correction, linear_correction
+from .numerics.credit import credit_counts, round_metrics
+from .numerics.fixed import FIXED_ONE, from_fixed, to_fixed
+from .sources import NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_SUCCESSOR
 
 __all__ = [
     "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "FIXED_ONE", "BinLayout", "Calibrator",
@@ -76,12 +79,6 @@ __all__ = [
     "retrieval_bin_ids", "credit_counts", "round_metrics",
 ]
 
-#: Upper edges of the log-probability bins, highest probability first: bin 0 holds log p > -0.1.
-LOGP_EDGES = (-0.1, -0.3, -0.6, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0, -14.0)
-#: Depth bins (retrieved nodes): 1, 2, 3, 4, 5-6, 7-8, 9-12, 13-16, 17-24, 25-32, 33-48, 49+.
-DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
-#: Match-length bins (suffix / corpus): 1, 2, 3-4, 5-8, 9-16, 17-32, 33+.
-MATCH_EDGES = (1, 2, 4, 8, 16, 32)
 _RETRIEVAL_DECAY = 0.85
 #: Per-depth decay from a retrieval bin to the next deeper depth bin's prior (see `Calibrator.refresh`).
 CHAIN_DECAY = 0.95
@@ -89,52 +86,10 @@ CHAIN_DECAY = 0.95
 PRIOR_WEIGHT = 2.0
 #: A bin's counts are halved once its trials exceed this (memory for drift).
 HALVE_AT = 4096.0
-#: One unit of the int64 fixed point that sums of estimates are accumulated in (the source window,
-#: the request windows, the round metrics): integer sums are exact in every order, so GPU atomics,
-#: thread counts and tensor-parallel ranks all give the same bits.
-FIXED_ONE = 1 << 32
 #: Middle depth of each depth bin (for the chained prior's decay over the bin's width).
 _DEPTH_MID = (1.0, 2.0, 3.0, 4.0, 5.5, 7.5, 10.5, 14.5, 20.5, 28.5, 40.5, 56.0)
 
 
-def to_fixed(x: torch.Tensor) -> torch.Tensor:
-    """``int64``: non-negative ``x`` (float32 or float64) in units of 2**-32, truncated."""
-    return (x.double() * FIXED_ONE).to(torch.int64)
-
-
-def from_fixed(x: torch.Tensor) -> torch.Tensor:
-    """``float32``: an int64 fixed-point value (`to_fixed`) as a float."""
-    return (x.double() * (1.0 / FIXED_ONE)).float()
-
-
-def q_bins(logp: torch.Tensor, logp_edges: torch.Tensor) -> torch.Tensor:
-    """``int64``: the probability bin of each log-probability (0 = highest; NaN and -inf last) for
-    the ascending edges ``logp_edges`` ``float32[Q - 1]`` (`LOGP_EDGES` reversed)."""
-    x = torch.nan_to_num(logp.float(), nan=-math.inf).contiguous()
-    n = logp_edges.numel()
-    return (n - torch.bucketize(x, logp_edges, right=True)).clamp(0, n)
-
-
-def draft_bin_ids(depth: torch.Tensor, logq: torch.Tensor, sampled: torch.Tensor, logp_edges: torch.Tensor,
-                  draft_depth: int, num_q: int, per_mode: int) -> torch.Tensor:
-    """``int64[B, S]``: draft nodes' bins (depth bin x probability bin, + ``per_mode`` on sampled
-    rows) from ``depth`` (1-based) and ``logq`` broadcastable to ``[B, S]`` and ``sampled`` ``bool[B]``."""
-    d = (depth.to(torch.int64) - 1).clamp(0, draft_depth - 1)
-    return d * num_q + q_bins(logq, logp_edges) + (sampled.to(torch.int64) * per_mode)[:, None]
-
-
-def retrieval_bin_ids(member: torch.Tensor, depth: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
-                      sampled: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
-                      depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int) -> torch.Tensor:
-    """``int64[B, M]``: retrieval nodes' bins, ``retrieval_base[member]`` + (depth bin x probability
-    bin x match bin) + ``per_mode`` on sampled rows. ``member`` one of `RETRIEVAL_SOURCES`; all
-    broadcastable to ``[B, M]`` but ``sampled`` ``bool[B]``; the edges ascending."""
-    nq, nd, nm = logp_edges.numel() + 1, depth_edges.numel() + 1, match_edges.numel() + 1
-    d = torch.bucketize(depth.contiguous(), depth_edges, right=False).clamp(max=nd - 1)
-    m = torch.bucketize(match.clamp(min=1).contiguous(), match_edges, right=False).clamp(max=nm - 1)
-    within = (d * nq + q_bins(logp, logp_edges)) * nm + m
-    return retrieval_base[member.clamp(SOURCE_SUFFIX, SOURCE_OUTPUTS)] + within + (sampled.to(torch.int64)
-                                                                                  * per_mode)[:, None]
 
 
 @dataclass(frozen=True)
@@ -190,89 +145,6 @@ class BinLayout:
         return self.draft_bins + self.template_size + RETRIEVAL_SOURCES.index(member) * self.retrieval_bins
 
 
-def linear_correction(trials: torch.Tensor, estimated: torch.Tensor, hits: torch.Tensor,
-                      pseudo_trials: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The linear recalibration of a window of verified nodes (module docstring, "Source
-    correction"): ``(scale, under)``, both shaped like the inputs.
-
-    Args:
-        trials, estimated, hits: float windows (any equal shapes): trials ``T``, sum of the estimates
-            the nodes were priced with ``E``, hits ``H``.
-        pseudo_trials: ``a``, pseudo-trials of calibrated data at the window's mean estimate
-            (a window with few trials stays near the identity).
-    Returns:
-        ``scale`` float in (0, 1] and ``under`` bool (the window was under-estimated, ``H > E``);
-        `apply_correction` maps an estimate ``b`` to ``1 - (1 - b) * scale`` where ``under`` (misses
-        scaled) and ``b * scale`` elsewhere (hits scaled). A window with under one trial: identity.
-    """
-    a = pseudo_trials
-    t, e, h = trials, estimated, hits
-    pe = a * e / t.clamp(min=1e-6)
-    pm = a - pe
-    seen = t >= 1.0
-    hits_scale = torch.where(seen, (h + pe) / (e + pe).clamp(min=1e-6), 1.0).clamp(max=1.0)
-    miss_scale = torch.where(seen, (t - h + pm) / (t - e + pm).clamp(min=1e-6), 1.0).clamp(max=1.0)
-    under = h > e
-    return torch.where(under, miss_scale, hits_scale), under
-
-
-def apply_correction(base: torch.Tensor, scale: torch.Tensor, under: torch.Tensor) -> torch.Tensor:
-    """Estimates ``base`` through `linear_correction`'s ``(scale, under)`` (broadcast): monotone in
-    ``base`` and in [0, 1] for ``base`` in [0, 1]."""
-    return torch.where(under, 1.0 - (1.0 - base) * scale, base * scale)
-
-
-def credit_counts(trials: torch.Tensor, hits: torch.Tensor, src_recent, group: torch.Tensor, base: torch.Tensor,
-                  bins: torch.Tensor, on_path: torch.Tensor) -> None:
-    """Add one round's trials and hits to the bins and (``src_recent`` not None) to the source window,
-    in place (halving is `Calibrator.refresh`'s).
-
-    Args:
-        trials, hits: ``float32[S + 1]`` (the dump bin S stays 0); src_recent: ``int64[2M + 1, 3]``
-            fixed-point (trials, sum of the bins' estimates ``base``, hits) per (mode, member), or None.
-        group: ``int64[S + 1]`` each bin's row of ``src_recent``; base: ``float32[S + 1]``.
-        bins: ``int64[B, N, M]`` member bins (-1: none); on_path: ``bool[B, N]``.
-    """
-    dump = trials.numel() - 1
-    valid = bins >= 0
-    flat = torch.where(valid, bins, dump).reshape(-1)
-    v = valid.reshape(-1)
-    hit = (on_path[:, :, None] & valid).reshape(-1)
-    trials.index_add_(0, flat, v.float())
-    hits.index_add_(0, flat, hit.float())
-    trials[dump].fill_(0.0)
-    hits[dump].fill_(0.0)
-    if src_recent is not None:
-        inc = torch.stack([v.long() * FIXED_ONE, to_fixed(base.gather(0, flat)) * v, hit.long() * FIXED_ONE], dim=1)
-        src_recent.index_add_(0, group.gather(0, flat), inc)
-
-
-def round_metrics(bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor, estimates: torch.Tensor,
-                  scale: torch.Tensor, under: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One round's calibration metrics per row.
-
-    Args:
-        bins: ``int64[B, N, M]``; on_path: ``bool[B, N]``; depth: ``int64[B, N]``.
-        estimates: ``float32[S + 1]`` the table the round was priced with; scale, under:
-            ``float32[B, M]`` / ``bool[B, M]`` the per-request correction it was priced with.
-        max_depth: the last depth row (deeper nodes count there).
-    Returns:
-        ``(float64[B, M, 3], float64[B, max_depth + 1, 2])``: per row and member (trials, sum of the
-        estimates as priced, hits); per row and depth (verified, accepted) nodes, row 0 zero.
-    """
-    b, n, m = bins.shape
-    valid = bins >= 0
-    hit = on_path[:, :, None] & valid
-    est = estimates.gather(0, torch.where(valid, bins, estimates.numel() - 1).reshape(-1)).view(b, n, m)
-    priced = torch.where(valid, apply_correction(est, scale[:, None, :], under[:, None, :]), 0.0)
-    members = torch.stack([valid.sum(1).double(), to_fixed(priced).sum(1).double() * (1.0 / FIXED_ONE),
-                           hit.sum(1).double()], dim=2)
-    node = valid.any(dim=2)
-    d = torch.where(node, depth.clamp(0, max_depth), 0)
-    depths = torch.zeros(b, max_depth + 1, 2, dtype=torch.float64, device=bins.device).scatter_add_(
-        1, d[:, :, None].expand(b, n, 2), torch.stack([node, node & on_path], dim=2).double())
-    depths[:, 0].fill_(0.0)
-    return members, depths
 
 
 class Calibrator:
@@ -378,8 +250,24 @@ class Calibrator:
         """Bins of suffix / corpus / lookup / outputs nodes (`retrieval_bin_ids`; ``member`` one of
         `RETRIEVAL_SOURCES` per node). All broadcastable to ``[B, M]`` except ``sampled`` ``bool[B]``.
         Returns ``int64[B, M]``."""
-        return retrieval_bin_ids(member, depth, logp, match, sampled, self._retrieval_base, self.logp_edges,
-                                 self.depth_edges, self.match_edges, self.layout.per_mode)
+        return retrieval_bin_ids(member, depth, logp, match, sampled, *self.retrieval_view)
+
+    @property
+    def retrieval_view(self) -> RetrievalBins:
+        """The retrieval bins' layout as the fused ops read it (`RetrievalBins`)."""
+        return RetrievalBins(self._retrieval_base, self.logp_edges, self.depth_edges, self.match_edges,
+                             self.layout.per_mode)
+
+    def draft_view(self, table: torch.Tensor) -> DraftBins:
+        """The draft bins' layout with the estimates ``table`` ``float32[S + 1]`` a round prices
+        from (`DraftBins`)."""
+        lay = self.layout
+        return DraftBins(table, self.logp_edges, lay.draft_depth, lay.num_q, lay.per_mode)
+
+    @property
+    def state_view(self) -> CalibrationState:
+        """The counts and estimates as the fused ops read and write them (`CalibrationState`)."""
+        return CalibrationState(self.hits, self.trials, self.prior, self.recent, self._group, self._base, self.table)
 
     # ------------------------------------------------------------------ priors / estimates
     def _prior(self, successor_prior: torch.Tensor) -> torch.Tensor:
@@ -418,9 +306,8 @@ class Calibrator:
         1)``): they are sparse (depth x draft probability) and their ``sqrt(q)`` prior is far below
         what agreement is worth, so a bin seen a few times would lag its rate.
         """
-        refresh_table(self.hits, self.trials, self.prior, self.recent, self._group, self._agree_idx, self._retr_idx,
-                      self._chain_weight, self._base, self.table, self.w, self.halve_at, self.source_window,
-                      self.SOURCE_PSEUDO_TRIALS)
+        refresh_table(self.state_view, RefreshIndex(self._agree_idx, self._retr_idx, self._chain_weight),
+                      RefreshOptions(self.w, self.halve_at, self.source_window, self.SOURCE_PSEUDO_TRIALS))
         return self.table
 
     # ------------------------------------------------------------------ updates

@@ -10,7 +10,7 @@
   prices a retrieved token beside the draft's; a chain must pick one of them, and there the tree's
   estimates mislead: a retrieval source's estimate is its average over all its nodes, but at a fork
   under the draft's path (the retrieved token differs from the draft's top-1) it is accepted far
-  less often than that average, and the sibling caps (`graft.sibling_caps`) leave the
+  less often than that average, and the sibling caps (`kernels.select.sibling_caps`) leave the
   draft's top-1 the residual of those over-estimates (often 0). `ChainPricer` prices every node by
   its conditional acceptance given its parent (the draft's own probability for drafted tokens, the
   tree's estimate ratio for the others), corrected per (mode, fork, class, depth) cell by what the

@@ -130,9 +130,9 @@ class RetrievalConfig(BaseModel):
     only: the batch budget and the calibration are shared statistics (docs/serving.md).
 
     Lookup (device): the last ``history_len`` committed tokens of every request stay on the
-    device; the context's tail (up to `LOOKUP_MAX_MATCH` tokens, retrieval/lookup.py) is matched within them and the
+    device; the context's tail (up to `LOOKUP_MAX_MATCH` tokens, numerics/lookup.py) is matched within them and the
     continuation proposed as a chain of up to N - 1 tokens (loops wrap around), with no lag behind
-    the device (retrieval/lookup.py). The same window re-anchors the host proposals.
+    the device (numerics/lookup.py). The same window re-anchors the host proposals.
 
     Corpus: shared counting trie loaded from ``corpus_path`` (JSON/JSONL token-id lists),
     capped at ``corpus_max_mb`` megabytes of index.
@@ -221,7 +221,7 @@ class GraftPolicy(BaseModel):
         refill_with_draft: slots that retrieval cannot fill are given back to the best
             pruned draft nodes before padding is used.
         exclusive_siblings: where to cap every node's estimate by its parent's minus those of its
-            higher-ranked siblings (at most one child is accepted; ``graft.sibling_caps``):
+            higher-ranked siblings (at most one child is accepted; ``kernels.select.sibling_caps``):
             ``"greedy"`` rows only (default), ``"always"`` or ``"never"``.
     """
 

@@ -10,7 +10,7 @@ here and one entry in `device_sources`.
 |---|---|---|
 | `SuccessorSource` | successor | ``graft::successor_part`` (kernels/successor_part.py) |
 | `ChainSource` | lookup, outputs | ``graft::chain_part`` (kernels/chain_part.py) |
-| `HostSource` | suffix, corpus | ``graft::host_part`` (kernels/host_part.py) |
+| `HostProposalSource` | suffix, corpus | ``graft::host_part`` (kernels/host_part.py) |
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ from typing import Optional
 import torch
 
 from .calibration import Calibrator
-from .candidates import Candidates
+from .kernels.views import Candidates
 from .config import GraftConfig
 from .kernels.chain_part import chain_part
 from .kernels.host_part import host_part
 from .kernels.successor_part import successor_part
+from .kernels.views import ChainOptions, Prices, Windows
 from .retrieval.buffer import HostCandidates
-from .retrieval.lookup import LOOKUP_MAX_MATCH
+from .numerics.lookup import LOOKUP_MAX_MATCH
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .sources import SOURCE_SUCCESSOR
 
-__all__ = ["RoundInputs", "DeviceSource", "SuccessorSource", "ChainSource", "HostSource", "device_sources"]
+__all__ = ["RoundInputs", "DeviceSource", "SuccessorSource", "ChainSource", "HostProposalSource", "device_sources"]
 
 
 @dataclass
@@ -59,6 +60,16 @@ class RoundInputs:
     sampled: torch.Tensor
     est_table: torch.Tensor
     factors: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def windows(self) -> Windows:
+        """The rows' token windows (`Windows`)."""
+        return Windows(self.hist, self.count)
+
+    @property
+    def prices(self) -> Prices:
+        """What the round prices with (`Prices`)."""
+        return Prices(self.est_table, *self.factors)
 
 
 class DeviceSource:
@@ -93,13 +104,13 @@ class SuccessorSource(DeviceSource):
 
     def args(self, r: RoundInputs) -> tuple:
         """Arguments of `kernels.successor_part.successor_part`."""
-        succ, lay = self.table, self.calibrator.layout
-        return (r.roots, r.host.group, r.sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, r.est_table,
-                *r.factors, succ.rows, succ.vocab_size, succ.levels, lay.offset(SOURCE_SUCCESSOR), lay.per_mode)
+        lay = self.calibrator.layout
+        return (r.roots, r.host.group, r.sampled, self.table.view, r.prices, lay.offset(SOURCE_SUCCESSOR),
+                lay.per_mode)
 
 
 class ChainSource(DeviceSource):
-    """The device chains: prompt lookup in the slot's history (retrieval/lookup.py), then the output
+    """The device chains: prompt lookup in the slot's history (numerics/lookup.py), then the output
     index's two (retrieval/output_ring.py, on the rows ``retrieval.outputs`` gives them to), each
     ``depth`` deep.
 
@@ -120,15 +131,12 @@ class ChainSource(DeviceSource):
 
     def args(self, r: RoundInputs) -> tuple:
         """Arguments of `kernels.chain_part.chain_part`."""
-        ring, cal = self.ring, self.calibrator
-        rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m)
-              if ring is not None else (None,) * 7)
-        return (r.hist, r.count, r.host.group, r.sampled, r.est_table, *r.factors, cal._retrieval_base,
-                cal.logp_edges, cal.depth_edges, cal.match_edges, *rt, list(ring.lengths) if ring is not None else [],
-                self.depth, LOOKUP_MAX_MATCH if self.lookup else 0, cal.layout.per_mode, *self.outputs_modes)
+        return (r.windows, r.host.group, r.sampled, r.prices, self.calibrator.retrieval_view,
+                self.ring.view if self.ring is not None else None,
+                ChainOptions(self.depth, LOOKUP_MAX_MATCH if self.lookup else 0, *self.outputs_modes))
 
 
-class HostSource(DeviceSource):
+class HostProposalSource(DeviceSource):
     """The host proposals (suffix, corpus; retrieval/buffer.py), re-anchored at the device's root
     (`step.reanchor`) and priced. Proposes nothing when the host buffer has no columns."""
 
@@ -139,12 +147,9 @@ class HostSource(DeviceSource):
 
     def args(self, r: RoundInputs) -> Optional[tuple]:
         """Arguments of `kernels.host_part.host_part`, or None for a zero-width host buffer."""
-        h, cal = r.host, self.calibrator
-        if h.width == 0:
+        if r.host.width == 0:
             return None
-        return (h.tokens, h.parents, h.logp, h.match, h.member, h.anchor_len, r.hist, r.count, r.seq_lens, r.sampled,
-                r.est_table, *r.factors, cal._retrieval_base, cal.logp_edges, cal.depth_edges, cal.match_edges,
-                cal.layout.per_mode)
+        return r.host.block, r.windows, r.seq_lens, r.sampled, r.prices, self.calibrator.retrieval_view
 
 
 def device_sources(config: GraftConfig, calibrator: Calibrator, successor: Optional[SuccessorTable],
@@ -164,5 +169,5 @@ def device_sources(config: GraftConfig, calibrator: Calibrator, successor: Optio
     if config.retrieval.lookup or outputs is not None:
         sources.append(ChainSource(config.retrieval.lookup, outputs, calibrator, config.num_draft_tokens - 1,
                                    tuple(config.retrieval.outputs_modes)))
-    sources.append(HostSource(calibrator))
+    sources.append(HostProposalSource(calibrator))
     return sources

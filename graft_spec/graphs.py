@@ -1,8 +1,8 @@
-"""The graft step replayed from CUDA graphs: one launch per round instead of ~1,000 eager kernels.
+"""The graft step replayed from CUDA graphs: one launch per round instead of its eager kernels.
 
-`GraftPlanner.build` is static-shape and sync-free (step.py), so it can be captured; eagerly its
-~1,000 small kernels are launch-bound (scripts/bench_step_cuda.py times both on a GPU; figures in
-docs/benchmark.md). SGLang captures its own draft forwards and tree build the same way
+`GraftPlanner.build_eager` is static-shape and sync-free (step.py), so it can be captured; eagerly
+its many small kernels are launch-bound (ops per round: docs/benchmark.md; scripts/bench_step_cuda.py
+times both on a GPU). SGLang captures its own draft forwards and tree build the same way
 (``cuda_graph_runner``, ``eagle_draft_cuda_graph_runner.py``).
 
 `StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
@@ -22,18 +22,32 @@ given as `DraftCandidates` run the eager `GraftPlanner.build`: same function, sa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .retrieval.buffer import HostCandidates
+from .config import GraftConfig
+from .history import TokenHistory
+from .retrieval.buffer import HostCandidateBuffer, HostCandidates
 from .step import DenseDraft, DraftCandidates, StepOutput
 from .tree import DraftTree
 
-if TYPE_CHECKING:  # pipeline.py imports this module
-    from .pipeline import GraftPlanner
 
-__all__ = ["StepGraphs"]
+class Planner(Protocol):
+    """What `StepGraphs` reads of its planner (`GraftPlanner`, pipeline.py)."""
+
+    config: GraftConfig
+    device: torch.device
+    buffer: HostCandidateBuffer
+    history: TokenHistory
+
+    def fix_slots(self) -> None: ...
+
+    def build_eager(self, draft: "DenseDraft | DraftCandidates", roots: torch.Tensor, host: HostCandidates,
+                    slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
+                    num_nodes: Optional[int] = None) -> StepOutput: ...
+
+__all__ = ["Planner", "StepGraphs"]
 
 
 @dataclass
@@ -83,7 +97,7 @@ class StepGraphs:
         ValueError: no bucket, a bucket < 1, or a width outside 2..N.
     """
 
-    def __init__(self, planner: GraftPlanner, topk: int, steps: int, buckets: Sequence[int],
+    def __init__(self, planner: Planner, topk: int, steps: int, buckets: Sequence[int],
                  widths: Optional[Sequence[int]] = None):
         n = planner.config.num_draft_tokens
         self.planner, self.topk, self.steps = planner, int(topk), int(steps)
@@ -118,8 +132,8 @@ class StepGraphs:
         return _Static(draft, z(bucket), host_block, slots, z(bucket), sampled)
 
     def _call(self, st: _Static, width: int) -> StepOutput:
-        return self.planner.build(st.draft, st.roots, HostCandidates.unpack(st.host_block), st.slots, st.seq_lens,
-                                  st.sampled, num_nodes=width)
+        return self.planner.build_eager(st.draft, st.roots, HostCandidates.unpack(st.host_block), st.slots,
+                                        st.seq_lens, st.sampled, num_nodes=width)
 
     def capture(self) -> None:
         """Capture every (bucket, width) graph (start-up: a device synchronise per graph).
@@ -165,7 +179,7 @@ class StepGraphs:
         if (entry is None or not isinstance(draft, DenseDraft) or draft.tokens.shape[1] != self.draft_width
                 or (draft.topk, draft.steps) != (self.topk, self.steps)):
             self.eager += 1
-            return self.planner.build(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes=num_nodes)
+            return self.planner.build_eager(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes=num_nodes)
         graph, out = entry
         self._static[bucket].load(draft, roots, host, slot_ids, seq_lens, sampled)
         graph.replay()

@@ -4,7 +4,7 @@ Two consumers read it each round, both inside the graft step (static shapes, no 
 
 * re-anchoring (step.py): host proposals made from an older view of the context are moved onto the
   device's root by matching their first tokens against the newest committed ones;
-* the lookup source (retrieval/lookup.py): prompt-lookup matches of the context's tail within the
+* the lookup source (numerics/lookup.py): prompt-lookup matches of the context's tail within the
   window, with no lag whatever the scheduler does.
 
 The window is right-aligned: ``tokens[s, L - 1]`` is the newest token of slot s (after a round's
@@ -16,6 +16,9 @@ admission, `append` adds each round's committed tokens.
 from __future__ import annotations
 
 import torch
+
+from .kernels.views import Windows
+from .numerics.rows import append_rows, shifted
 
 __all__ = ["TokenHistory", "append_rows"]
 
@@ -52,8 +55,13 @@ class TokenHistory:
         """Replace slot ``slot_ids[b]``'s window by the first ``lens[b]`` of ``tokens[b]``."""
         ids = slot_ids.to(torch.int64)
         empty = torch.zeros(ids.shape[0], self.length, dtype=torch.int64, device=self.tokens.device)
-        self.tokens.index_copy_(0, ids, _shifted(empty, tokens, lens))
+        self.tokens.index_copy_(0, ids, shifted(empty, tokens, lens))
         self.count.index_copy_(0, ids, lens.to(torch.int64).clamp(max=self.length))
+
+    @property
+    def windows(self) -> Windows:
+        """Every slot's window (`Windows` ``[slots, L]``), as the fused ops read and write it."""
+        return Windows(self.tokens, self.count)
 
     def gather(self, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens int64[B, L], count int64[B])`` of the given slots."""
@@ -61,18 +69,3 @@ class TokenHistory:
         return self.tokens.index_select(0, ids), self.count.index_select(0, ids)
 
 
-def _shifted(old: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """``old`` [B, L] followed by the first ``lens`` tokens of ``new`` [B, W], last L kept."""
-    ext = torch.cat([old, new.to(torch.int64)], dim=1)                                   # [B, L + W]
-    idx = lens.to(torch.int64)[:, None] + torch.arange(old.shape[1], device=ext.device)
-    return ext.gather(1, idx)
-
-
-def append_rows(tokens: torch.Tensor, count: torch.Tensor, slot_ids: torch.Tensor, new: torch.Tensor,
-                lens: torch.Tensor) -> None:
-    """Append the first ``lens[b]`` of ``new[b]`` (``int64[B, W]``) to the windows ``tokens``
-    ``int64[slots, L]`` / ``count`` ``int64[slots]`` of slot ``slot_ids[b]`` (distinct), in place."""
-    ids = slot_ids.to(torch.int64)
-    length = tokens.shape[1]
-    tokens.index_copy_(0, ids, _shifted(tokens.index_select(0, ids), new, lens))
-    count.index_copy_(0, ids, (count.index_select(0, ids) + lens.to(torch.int64)).clamp(max=length))

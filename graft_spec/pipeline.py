@@ -27,14 +27,14 @@ device state (calibration counts, successor table, token history).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 import torch
 
 from .budget import BatchBudget
 from .calibration import BinLayout, Calibrator
-from .chain import Chain, ChainPricer, cap_depth, spine_tree
+from .chain import Chain, ChainPricer, spine_tree
 from .config import GraftConfig
 from .gate import ExpectedGainGate, draft_bounds
 from .graphs import StepGraphs
@@ -48,6 +48,7 @@ from .history import TokenHistory
 from .kernels import fused_kernels_for, fused_ops_everywhere, kernel_path, use_reference_kernels
 from .kernels.tree_sample import tree_sample
 from .kernels.observe import gain_columns, observe_rows
+from .kernels.views import Commit, ObserveOptions, Prices, RoundOutcome
 from .kernels.successor import PRIVATE_GROUP
 from .request_correction import RequestCorrection
 from .step import DenseDraft, DraftCandidates, GraftStep, StepOutput, dense_draft_candidates, tree_draft_candidates
@@ -264,10 +265,13 @@ class GraftPlanner:
         self.buffer = HostCandidateBuffer(max_batch, width, self.device)
         self.history = TokenHistory(max_slots, r.history_len, self.device)
         self.slots_fixed = False   # `fix_slots`: set when graphs capture the per-slot buffers
+        #: the captured step (`capture_graphs`) `build` replays, or None (eager)
+        self.graphs: Optional[StepGraphs] = None
         self.step = self._new_step(n)
         #: the step of every verify width >= 2 of the batch budget (the full width is `step`)
         self.steps = {w: (self.step if w == n else self._new_step(w)) for w in config.verify_widths if w >= 2}
         self._seen: dict[Hashable, int] = {}
+        self._prompt_len: dict[Hashable, int] = {}
         self._group: dict[Hashable, int] = {}
         self._key: dict[Hashable, Hashable] = {}
 
@@ -334,10 +338,37 @@ class GraftPlanner:
         ids = [int(t) for t in prompt_ids]
         group = self.assign_group(req_id, tenant)
         self._seen[req_id] = len(ids)
+        self._prompt_len[req_id] = len(ids)
         self.retriever.start(req_id, ids, tenant)
         if self.outputs is not None:
             keep = self.config.retrieval.outputs_modes[int(bool(sampled))] and group != PRIVATE_GROUP
             self.outputs.start(req_id, ids, group, keep=keep)
+
+    def catch_up(self, req_id: Hashable, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 tenant: Optional[Hashable] = None, sampled: bool = False) -> bool:
+        """Bring the host sources up to a request's committed tokens as the engine holds them: the
+        one way both engines' request trackers start and feed a request. An unknown request, one whose
+        prompt changed, or one with fewer tokens than the host has seen (preempted and recomputed) is
+        (re)started (`start_request` with the prompt, `extend` with the output); otherwise the
+        output tokens the host has not seen are passed to `extend`.
+
+        Args:
+            prompt_ids, output_ids: host token ids (sequences or 1-D arrays; only the unseen tail is
+                read for a known request).
+            tenant, sampled: as for `start_request`.
+        Returns:
+            True when the request was (re)started.
+        """
+        p, total = len(prompt_ids), len(prompt_ids) + len(output_ids)
+        seen = self._seen.get(req_id)
+        if seen is None or seen > total or self._prompt_len.get(req_id) != p:
+            self.start_request(req_id, prompt_ids, tenant=tenant, sampled=sampled)
+            if len(output_ids):
+                self.extend(req_id, output_ids)
+            return True
+        if seen < total:
+            self.extend(req_id, output_ids[seen - p:])
+        return False
 
     def extend(self, req_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Tokens ``req_id`` committed since the last call (host view), in order."""
@@ -356,6 +387,7 @@ class GraftPlanner:
         if self.outputs is not None:
             self.outputs.stop(req_id)
         self._seen.pop(req_id, None)
+        self._prompt_len.pop(req_id, None)
         self._group.pop(req_id, None)
         key = self._key.pop(req_id, None)
         if key is not None:
@@ -442,7 +474,38 @@ class GraftPlanner:
     def build(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, host: HostCandidates,
               slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None,
               retrieved: Optional[RoundRetrieval] = None) -> StepOutput:
-        """The graft step (device, static shapes, no host read).
+        """The graft step: replayed from the planner's CUDA graphs when `capture_graphs` captured
+        one for the batch's bucket and width (``retrieved`` is then recomputed inside the graph),
+        else `build_eager`. Arguments, result and errors as `build_eager`."""
+        if self.graphs is not None:
+            return self.graphs.build(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes=num_nodes)
+        return self.build_eager(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes, retrieved)
+
+    def capture_graphs(self, topk: int, steps: int, buckets: Sequence[int], widths: Sequence[int],
+                       replay: bool) -> StepGraphs:
+        """Capture the step per (batch bucket, verify width) (`StepGraphs.capture`; ``replay``
+        False: run each once eagerly instead, `StepGraphs.warm_up`, so the fused kernels compile at
+        start-up). With ``replay``, `build` replays them from now on.
+
+        Args:
+            topk, steps: the dense draft's shape (`DenseDraft`); buckets: batch sizes; widths:
+                verify widths (2..N).
+        Returns:
+            The `StepGraphs`.
+        Raises:
+            RuntimeError: ``replay`` on a planner not on a CUDA device; whatever a compile or a
+                capture raises (the planner's graphs stay as they were).
+        """
+        graphs = StepGraphs(self, topk, steps, buckets, widths)
+        graphs.capture() if replay else graphs.warm_up()
+        if replay:
+            self.graphs = graphs
+        return graphs
+
+    def build_eager(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, host: HostCandidates,
+                    slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
+                    num_nodes: Optional[int] = None, retrieved: Optional[RoundRetrieval] = None) -> StepOutput:
+        """The graft step run eagerly (device, static shapes, no host read).
 
         Args:
             draft: `DraftCandidates` ``[B, S]``, or the dense EAGLE tree as a `DenseDraft` (read
@@ -466,7 +529,7 @@ class GraftPlanner:
             return step(draft, roots, host, r.hist, r.count, seq_lens, sampled, r.est, r.factors, r.parts)
         hist, count = self.history.gather(slot_ids)
         return step(draft, roots, host, hist, count, seq_lens, sampled, self.calibrator.table,
-                    self._factors(slot_ids))
+                    self.factors(slot_ids))
 
     def _step(self, num_nodes: Optional[int]) -> GraftStep:
         step = self.step if num_nodes is None else self.steps.get(num_nodes)
@@ -474,8 +537,9 @@ class GraftPlanner:
             step = self.steps[num_nodes] = self._new_step(num_nodes)
         return step
 
-    def _factors(self, slot_ids: torch.Tensor):
-        """The rows' per-request correction, or None when it is off (config: a static choice)."""
+    def factors(self, slot_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The rows' per-request correction ``(scale float32[B, NUM_MEMBERS], under bool[B, NUM_MEMBERS])``
+        of slots ``slot_ids`` ``int64[B]``, or None when it is off (config: a static choice)."""
         return self.request_correction.factors(slot_ids) if self.request_correction.enabled else None
 
     def ensure_slots(self, slots: int) -> None:
@@ -511,14 +575,15 @@ class GraftPlanner:
         return self.successor.k if self.successor is not None else 0
 
     def prefill(self, req_ids: Sequence[Hashable], slot_ids: torch.Tensor, contexts: Sequence[Sequence[int]],
-                first: torch.Tensor, extend_ids: Optional[torch.Tensor] = None,
+                first: Optional[torch.Tensor] = None, extend_ids: Optional[torch.Tensor] = None,
                 extend_lens: Optional[Sequence[int]] = None,
                 tenants: Optional[Sequence[Optional[Hashable]]] = None) -> None:
-        """The device state of requests whose prefill just ran (engines that prefill in batches, as
-        SGLang does; call it once per prefill batch, not on the decode path).
+        """The device state of requests whose prefill just ran: the one way both engines start a
+        request on the device (SGLang once per prefill batch; vLLM when a request first reaches the
+        proposer, with its host context). Not on the decode path.
 
         Each slot's token window becomes the tail of its context followed by the first generated
-        token, its per-request correction window is emptied (`reset_slots`), and the bigrams of the
+        token (if given), its per-request correction window is emptied (`reset_slots`), and the bigrams of the
         tokens the prefill extended warm-start the empty rows of each request's successor-table group
         (`SuccessorTable.warm_start`, groups from `assign_group`).
 
@@ -527,13 +592,15 @@ class GraftPlanner:
             slot_ids: ``int64[B]`` engine slots.
             contexts: per request, the host token ids before the first generated token (prompt and
                 any output already committed).
-            first: ``int64[B]`` the first generated token of each request.
+            first: ``int64[B]`` the first generated token of each request, or None when each context
+                already ends with the next tree's root (vLLM hands the proposer committed tokens).
             extend_ids: ``int64[T]`` the tokens the prefill ran, requests back to back, with
                 ``extend_lens`` per request; None skips the warm start.
         """
         self._set_windows(slot_ids, contexts)
-        first = first.reshape(-1).to(torch.int64)
-        self.history.append(slot_ids, first[:, None], torch.ones_like(first))
+        if first is not None:
+            first = first.reshape(-1).to(torch.int64)
+            self.history.append(slot_ids, first[:, None], torch.ones_like(first))
         tenants = tenants if tenants is not None else [None] * len(req_ids)
         group_ids = [self.assign_group(r, t) for r, t in zip(req_ids, tenants)]   # held until stop_request
         if self.successor is None or extend_ids is None or not extend_lens or extend_ids.numel() < 2:
@@ -574,7 +641,7 @@ class GraftPlanner:
         once (before, the eager path computed them twice: ~1,000 of a round's ~2,600 step ops)."""
         est = self.calibrator.table
         hist, count = self.history.gather(slot_ids)
-        factors = self._factors(slot_ids)
+        factors = self.factors(slot_ids)
         step = self._step(num_nodes)
         parts = step.retrieve(roots, host, hist, count, seq_lens, sampled, est, factors)
         gate = ExpectedGainGate(self.calibrator, draft_bounds(self.calibrator, est),
@@ -607,9 +674,9 @@ class GraftPlanner:
         gain = out.gain if out.gain is not None else tree.logp[:, :0]
         cols = self._gain_columns(gain.shape[1], tree.tokens.shape[1])
         sources, row_members, row_depths, expected = observe_rows(
-            out.member_bins, on_path, out.depth, tree.source, out.estimates, cal._base, cal._group, scale, under,
-            gain, cols, slot_ids, committed, accept_len, cal.trials, cal.hits, cal.recent, rc.recent,
-            self.history.tokens, self.history.count, cal.source_window > 0, rc.window, cal.max_depth)
+            RoundOutcome(out.member_bins, on_path, out.depth, tree.source), Prices(out.estimates, scale, under),
+            cal.state_view, gain, cols, Commit(slot_ids, committed, accept_len), rc.recent, self.history.windows,
+            ObserveOptions(cal.source_window > 0, rc.window, cal.max_depth))
         members, depths = cal.add_metrics(row_members, row_depths)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
@@ -625,75 +692,3 @@ class GraftPlanner:
         if key not in self._cols:
             self._cols[key] = gain_columns((*self.config.verify_widths, width), gain_len, self.device)
         return self._cols[key]
-
-    # ------------------------------------------------------------------ chain-verifying engines (vLLM)
-    def begin_request(self, req_id: Hashable, slot: int, prompt_ids: Sequence[int],
-                      output_ids: Sequence[int] = (), tenant: Optional[Hashable] = None,
-                      sampled: bool = False) -> None:
-        """Start a request on engine slot ``slot`` from the context the engine holds on the host
-        (vLLM hands the proposer token ids, not prefill batches): `start_request` with the prompt,
-        `extend` with the output it already has (a resumed, preempted request), the slot's token window
-        set to the context's tail (prompt + output, ending with the next tree's root) and its
-        per-request window emptied (`reset_slots`), and the prompt's bigrams warm-starting the empty
-        rows of the request's successor-table group (`SuccessorTable.warm_start`; SGLang's adapter does
-        the same at prefill, graft_worker.py ``_forward_prefill_batch``).
-
-        Args:
-            slot: the request's engine slot, a stable row of the token history while it lives (grows
-                the per-slot state on demand).
-            prompt_ids / output_ids: host token ids.
-            tenant, sampled: as for `start_request`.
-        """
-        prompt = [int(t) for t in prompt_ids]
-        out = [int(t) for t in output_ids]
-        self.start_request(req_id, prompt, tenant=tenant, sampled=sampled)
-        if out:
-            self.extend(req_id, out)
-        self.ensure_slots(slot + 1)
-        self._set_windows(torch.tensor([slot], device=self.device), [prompt + out])
-        if self.successor is not None and len(prompt) > 1:
-            ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
-            self.successor.warm_start(ids[:-1], ids[1:], torch.ones(ids.numel() - 1, dtype=torch.bool,
-                                                                    device=self.device), self.group_of(req_id))
-
-    def build_chains(self, draft: DraftCandidates, roots: torch.Tensor, host: HostCandidates,
-                     slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
-                     max_depth: int) -> StepOutput:
-        """`build` for an engine that verifies one chain of at most ``max_depth`` tokens per request
-        (vLLM 0.33's K): retrieved candidates deeper than ``max_depth`` are dropped before the N - 1
-        nodes are chosen (`chain.cap_depth`), so the budget goes to nodes a chain can use. Arguments
-        and result as for `build` (full width N)."""
-        hist, count = self.history.gather(slot_ids)
-        est, factors = self.calibrator.table, self._factors(slot_ids)
-        parts = cap_depth(self.step.retrieve(roots, host, hist, count, seq_lens, sampled, est, factors), max_depth)
-        return self.step(draft, roots, host, hist, count, seq_lens, sampled, est, factors, parts)
-
-    def observe_committed(self, out: StepOutput, committed: torch.Tensor, lens: torch.Tensor,
-                          slot_ids: torch.Tensor) -> RoundStats:
-        """`observe` for an engine that verifies one chain of the tree and reports only the tokens it
-        committed (vLLM 0.33). The accepted nodes come from the tokens (`on_path_from_tokens`); nodes the
-        tokens say nothing about (on a matching path below the committed depth) count in neither the
-        calibration nor the per-request windows; the successor table learns every committed transition
-        (root -> first token -> ...) as the target's top-1 in the row's group (such an engine gives no
-        target top-k). Device only, no host read.
-
-        Args:
-            out: the round's `StepOutput` ``[B, N]``.
-            committed: ``int64[B, L]`` tokens committed after the root (accepted, then the bonus).
-            lens: ``int64[B]`` valid tokens per row; 0 = the row was not verified (nothing counted,
-                nothing appended).
-            slot_ids: ``int64[B]`` engine slots.
-        Returns:
-            `observe`'s `RoundStats`.
-        """
-        on_path, known = on_path_from_tokens(out.tree, committed, lens)
-        bins = torch.where(known[:, :, None], out.member_bins, -1)
-        stats = self.observe(replace(out, member_bins=bins), on_path, None, committed, lens, slot_ids)
-        if self.successor is not None and committed.shape[1] > 0:
-            # transitions t -> u along root, committed[0], ...: rows [B * L], the invalid ones masked
-            prev = torch.cat([out.tree.tokens[:, :1], committed[:, :-1]], 1)                # [B, L]
-            valid = torch.arange(committed.shape[1], device=committed.device)[None, :] < lens[:, None]
-            groups = out.groups if out.groups is not None else torch.zeros_like(lens)
-            self.successor.update(prev.reshape(-1), committed.reshape(-1, 1), valid.reshape(-1),
-                                  groups[:, None].expand_as(prev).reshape(-1))
-        return stats

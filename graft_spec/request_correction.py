@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .calibration import apply_correction, from_fixed, to_fixed
 from .kernels.factors import request_factors
+from .numerics.correction import window_update
 from .sources import SOURCE_SUCCESSOR, NUM_MEMBERS, RETRIEVAL_SOURCES
 
 __all__ = ["RequestCorrection", "CORRECTED_MEMBERS", "window_update"]
@@ -89,17 +89,6 @@ class RequestCorrection:
         on = self._on if self.enabled else self._off
         return request_factors(self.recent, slot_ids, on, self.pseudo_trials)
 
-    @staticmethod
-    def price(est: torch.Tensor, member: "int | torch.Tensor", factors: tuple[torch.Tensor, torch.Tensor]
-              ) -> torch.Tensor:
-        """Estimates ``est`` ``float32[B, M]`` of nodes of member sources ``member`` (one member for
-        every node, an int, or int64 broadcastable to ``[B, M]``) through their rows' `factors`."""
-        scale, under = factors
-        if isinstance(member, int):
-            return apply_correction(est, scale[:, member, None], under[:, member, None])
-        m = member.to(torch.int64).expand_as(est)
-        return apply_correction(est, scale.gather(1, m), under.gather(1, m))
-
     def update(self, slot_ids: torch.Tensor, bins: torch.Tensor, on_path: torch.Tensor,
                estimates: torch.Tensor) -> None:
         """Add one verified round to the rows' windows.
@@ -114,20 +103,3 @@ class RequestCorrection:
             window_update(self.recent, slot_ids, bins, on_path, estimates, self.window)
 
 
-def window_update(recent: torch.Tensor, slot_ids: torch.Tensor, bins: torch.Tensor, on_path: torch.Tensor,
-                  estimates: torch.Tensor, window: float) -> None:
-    """Add one verified round to the windows ``recent`` ``float32[slots, NUM_MEMBERS, 3]`` of the rows'
-    slots, in place (arguments as for `RequestCorrection.update`; ``window`` > 0). Each member that
-    proposed verified nodes adds one trial, its nodes' mean estimate (an int64 fixed-point sum,
-    calibration.py `FIXED_ONE`) and hit rate; rows past ``window`` trials are halved."""
-    ids = slot_ids.to(torch.int64)
-    valid = bins >= 0
-    est = torch.where(valid, estimates.gather(0, bins.clamp(min=0).reshape(-1)).view_as(bins), 0.0)
-    stats = torch.stack([valid.sum(1).float(), from_fixed(to_fixed(est).sum(1)),
-                         (on_path[:, :, None] & valid).sum(1).float()], dim=2)
-    # one round is one trial of weight 1 per member: its nodes' outcomes are chained (a rejected
-    # node rejects its whole subtree), so twenty nodes of one chain are not twenty samples
-    stats = stats / stats[..., :1].clamp(min=1.0)
-    rows = recent.index_select(0, ids) + stats                                  # [B, NUM_MEMBERS, 3]
-    rows = rows * torch.where(rows[..., :1] > window, 0.5, 1.0)
-    recent.index_copy_(0, ids, rows)

@@ -19,7 +19,7 @@ Host proposals are anchored at the context the host knew (``anchor_len`` tokens)
 the step *re-anchors* each proposal on the tokens committed since (`reanchor`, read from the slot's
 device history): a proposed path whose first ``gap`` tokens equal them continues under the new root,
 shortened by ``gap``; every other path is dropped. Without overlap ``gap`` is 0 and nothing
-changes. The lookup source (retrieval/lookup.py) reads the same history and has no lag at all.
+changes. The lookup source (numerics/lookup.py) reads the same history and has no lag at all.
 
 No ``.item()``, ``.tolist()``, host copies, data-dependent Python control flow or data-dependent
 shapes: the same code runs eagerly on CPU and accelerators, on ``meta`` tensors and under
@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .candidates import Candidates
+from .kernels.views import Candidates
 from .calibration import Calibrator
 from .device_sources import RoundInputs, device_sources
 from .gate import kth_best
@@ -42,6 +42,7 @@ from .config import GraftConfig
 from .graft import merge_select
 from .kernels import tree_layout as fused_tree_layout
 from .kernels.draft_part import dense_draft_part, dense_links, draft_part
+from .kernels.views import DraftBlock, DraftOptions
 from .kernels.host_part import reanchor_arrays
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
@@ -49,6 +50,7 @@ from .retrieval.buffer import HostCandidates
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .kernels.successor import PRIVATE_GROUP
+from .numerics.rows import mode_rows
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_PADDING, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
@@ -268,16 +270,6 @@ class StepOutput:
         return 1.0 + self.tree.logp[:, 1:].exp().sum(dim=1)
 
 
-def _mode_rows(modes: tuple, sampled: torch.Tensor) -> Optional[torch.Tensor]:
-    """``bool[B]`` rows whose mode is on in ``modes`` = (greedy, sampled) (``sampled`` ``bool[B]``);
-    None when both are (every row). A config switch, not data-dependent control flow."""
-    greedy_on, sampled_on = bool(modes[0]), bool(modes[1])
-    if greedy_on and sampled_on:
-        return None
-    if greedy_on:
-        return ~sampled
-    return sampled if sampled_on else torch.zeros_like(sampled)
-
 
 class GraftStep:
     """The static part of the step (shapes, template, stages) and the step itself.
@@ -309,13 +301,12 @@ class GraftStep:
     def _draft_part(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, sampled: torch.Tensor,
                     est_table: torch.Tensor) -> Candidates:
         """The rooted block: the root + the N - 1 best draft candidates (N = the pool), ``[B, N]``."""
-        lay = self.calibrator.layout
-        rest = (roots, sampled, est_table, self.calibrator.logp_edges, self.pool, lay.draft_depth, lay.num_q,
-                lay.per_mode, self.config.draft_nodes, self.stages is not None)
+        rest = (roots, sampled, self.calibrator.draft_view(est_table),
+                DraftOptions(self.pool, self.config.draft_nodes, self.stages is not None))
         if isinstance(draft, DenseDraft):
             out = dense_draft_part(draft.tokens, draft.parent_list, dense_logq(draft.scores), draft.topk, *rest)
         else:
-            out = draft_part(draft.tokens, draft.parents, draft.logq, draft.depth, *rest)
+            out = draft_part(DraftBlock(draft.tokens, draft.parents, draft.logq, draft.depth), *rest)
         tokens, parents, est_n, valid_n, bins_n, logq_n = out
         member = torch.full_like(tokens, SOURCE_DRAFT)
         if self.stages is None:
@@ -390,7 +381,7 @@ class GraftStep:
         tree, member_bins, gain = merge_select(
             cands, self.n, self.config.graft, gain_nodes=self.pool, sampled=sampled,
             agreement=((self.calibrator.layout.offset(SOURCE_AGREE), est_table,
-                        _mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
+                        mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain,
                           factors)

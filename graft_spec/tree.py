@@ -127,7 +127,7 @@ def path_min(values: torch.Tensor, parents: torch.Tensor, jumps: Optional[list[t
 
 
 IDX_BITS = 20  #: low bits of `order_key` holding the (inverted) column index
-#: Constants of the int64 polynomial token hashes (graft.path_hashes, retrieval/output_ring.py):
+#: Constants of the int64 polynomial token hashes (kernels/select.py `path_hashes`, retrieval/output_ring.py):
 #: a token (or tag) enters as ``x * HASH_MIX + HASH_ADD``, a sequence as ``h * HASH_POW + x``.
 HASH_MIX = -7046029254386353131        # 0x9E3779B97F4A7C15 as int64
 HASH_ADD = 0x632BE59BD9B4E019

@@ -27,6 +27,7 @@ from typing import Optional, Union
 
 import torch
 
+from .kernels.tree_sample import tree_sample
 from .sources import NUM_SOURCES
 from .tree import ancestor_mask, sibling_links
 
@@ -128,8 +129,6 @@ def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: tor
     Returns:
         `VerifyResult`. No host read.
     """
-    from .kernels.tree_sample import tree_sample
-
     b, n = tokens.shape
     dev = tokens.device
     probs = target_probs.float()

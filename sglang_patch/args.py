@@ -31,6 +31,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
+from graft_spec.config import ENV_FILE, ENV_PREFIX, GraftConfig, load_config, merge_config_sources, read_config_file
+from graft_spec.retrieval.corpus import check_corpus_file
+
 logger = logging.getLogger(__name__)
 
 #: Record attribute holding the ``--graft-*`` values (underscore: bookkeeping, survives pickling).
@@ -56,8 +59,6 @@ class GraftSettingsError(ValueError):
 # GraftConfig fields <-> flags / environment names
 # --------------------------------------------------------------------------------------------------
 def _config_class():
-    from graft_spec.config import GraftConfig
-
     return GraftConfig
 
 
@@ -87,8 +88,6 @@ def flag_name(path: Tuple[str, ...]) -> str:
 
 def env_name(path: Tuple[str, ...]) -> str:
     """``("retrieval", "suffix_max_depth")`` -> ``GRAFTCFG_RETRIEVAL__SUFFIX_MAX_DEPTH``."""
-    from graft_spec.config import ENV_PREFIX
-
     return ENV_PREFIX + "__".join(p.upper() for p in path)
 
 
@@ -129,8 +128,6 @@ def snapshot_sources(cli: Mapping[str, Any], environ: Optional[Mapping[str, str]
     Raises:
         GraftSettingsError: the config file cannot be read.
     """
-    from graft_spec.config import ENV_FILE, ENV_PREFIX, read_config_file
-
     env = {k: v for k, v in _environ(environ).items() if k.startswith(ENV_PREFIX) or k == ENV_FILE}
     file = cli.get("config") or env.get(ENV_FILE)
     try:
@@ -182,7 +179,6 @@ def build_graft_config(cli: Optional[Mapping[str, Any]] = None,
     Raises:
         GraftSettingsError: one message listing every invalid field, its value and its source.
     """
-    from graft_spec.config import load_config
     from pydantic import ValidationError
 
     cli, file, file_data, env = _sources(cli, environ)
@@ -288,8 +284,6 @@ def _explicit_shape(cli: Mapping[str, Any], environ: Optional[Mapping[str, str]]
     Read from the merged sources before validation: the rest of the config may only be valid with
     SGLang's shape (e.g. a checkpoint deeper than the default ``depth``).
     """
-    from graft_spec.config import merge_config_sources
-
     cli, file, file_data, env = _sources(cli, environ)
     try:
         raw = merge_config_sources(file=file, overrides=cli, env=True, environ=env, file_data=file_data)
@@ -311,7 +305,6 @@ def resolve_tree_shape(sa, environ: Optional[Mapping[str, str]] = None) -> Dict[
     """
     cli = getattr(sa, CLI_ATTR, None) or {}
     explicit = _explicit_shape(cli, environ)
-    from graft_spec.config import GraftConfig
 
     shape: Dict[str, int] = {}
     for field, sa_field in SHARED_SHAPE.items():
@@ -475,8 +468,6 @@ def apply_graft_server_defaults(sa, environ: Optional[Mapping[str, str]] = None)
     cfg = effective_graft_config(sa, environ)
     refuse_width_state_combinations(sa, cfg)
     if cfg.retrieval.corpus:   # before the model loads: a bad file stops the server now, naming it
-        from graft_spec.retrieval.corpus import check_corpus_file
-
         try:
             check_corpus_file(cfg.retrieval.corpus_path, model_vocab_size(getattr(sa, "model_path", None)))
         except (OSError, ValueError) as exc:

@@ -69,8 +69,6 @@ def is_sampled(req) -> bool:
 class RequestStats:
     """Counters of one request (host ints)."""
 
-    prompt_len: int = 0
-    seen: int = 0                    # tokens the planner's host sources have seen (prompt + outputs)
     rounds: int = 0                  # verify rounds
     emitted: int = 0                 # tokens emitted by those rounds (sum of accept lengths)
     accepted: List[int] = field(default_factory=lambda: [0] * NUM_SOURCES)
@@ -125,17 +123,10 @@ class GraftRequestTracker:
                 rids.append(rid)
                 continue
             st = self.states.get(rid)
-            prompt, outputs = req.origin_input_ids, req.output_ids
-            total = len(prompt) + len(outputs)
-            if st is None or st.seen > total or st.prompt_len != len(prompt):
-                if st is None:
-                    st = RequestStats()
-                    self.states[rid] = st
-                self.planner.start_request(rid, prompt, tenant=tenant_of(req), sampled=is_sampled(req))
-                self.planner.extend(rid, outputs)
-                st.prompt_len, st.seen = len(prompt), total
-            else:
-                self._catch_up(rid, st, outputs)
+            if st is None:
+                st = self.states[rid] = RequestStats()
+            self.planner.catch_up(rid, req.origin_input_ids, req.output_ids, tenant=tenant_of(req),
+                                  sampled=is_sampled(req))
             st.last_round, st.req = self.round, req
             self.states.move_to_end(rid)
             rids.append(rid)
@@ -194,19 +185,12 @@ class GraftRequestTracker:
                             "live_requests=%d planner_live=%d", rid, self.live(), self.planner.live_requests())
             return
         outputs = getattr(st.req, "output_ids", None)
-        if outputs is not None:
-            self._catch_up(rid, st, outputs)
+        if outputs is not None:   # the final output tokens reach the output index before it stops
+            self.planner.catch_up(rid, st.req.origin_input_ids, outputs)
         self.planner.stop_request(rid)
         self.finished_total += 1
         logger.info("graft request %s finished: %s live_requests=%d planner_live=%d",
                     rid, st.summary(), self.live(), self.planner.live_requests())
-
-    def _catch_up(self, rid: Hashable, st: RequestStats, outputs: Sequence[int]) -> None:
-        """Hand the host sources the output tokens committed since they last saw the request."""
-        total = st.prompt_len + len(outputs)
-        if st.seen < total:
-            self.planner.extend(rid, outputs[st.seen - st.prompt_len:])
-            st.seen = total
 
     def _sweep(self) -> None:
         """Free the entries outside this round's batch (the front of `states`, least recently

@@ -68,7 +68,7 @@ from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, HostCandidates, RoundStats,
-                                 StepGraphs, StepOutput, kernel_path, on_path_from_accept_index,
+                                 StepOutput, kernel_path, on_path_from_accept_index,
                                  use_reference_kernels)
 from sglang_patch.args import effective_graft_config
 from sglang_patch.containment import FollowingGate, RoundGuard
@@ -240,9 +240,6 @@ class GraftDraftWorker(EagleDraftWorker):
             graft.guard.inject()
             if graft.guard.off:   # speculation off (no plain width to switch to): a tree that proposes nothing
                 return padding()
-            if graft.step_graphs is not None:
-                return graft.step_graphs.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
-                                               num_nodes=num_draft_tokens)
             return graft.planner.build(draft, roots, host, batch.req_pool_indices, batch.seq_lens, sampled,
                                        num_nodes=num_draft_tokens, retrieved=retrieved)
 
@@ -359,7 +356,6 @@ class GraftWorker(EAGLEWorkerV2):
         self.deferred = (DeferredDraftExtend(max(widths) if self.config.batch_budget.defer_draft_extend else 1,
                                              self.device) if self.budget is not None else None)
         #: the graft step's CUDA graphs (`init_cuda_graphs`; None: the step runs eagerly)
-        self.step_graphs: Optional[StepGraphs] = None
         #: which graft step runs: kernels (fused / reference) and graphs or eager (`_capture_step_graphs`)
         self.step_path = "not prepared"
         self._launch: Optional[tuple] = None        # (width, batch size, perf_counter) of the last decode launch
@@ -468,12 +464,13 @@ class GraftWorker(EAGLEWorkerV2):
         super().init_cuda_graphs()
         if self.budget is not None and self._draft_worker is not None:
             self.width_states.build(self.budget.widths)
-        self.step_graphs = self._capture_step_graphs()
+        self._capture_step_graphs()
 
-    def _capture_step_graphs(self) -> Optional[StepGraphs]:
-        """One graph per (SGLang decode batch size, verify width) of `GraftPlanner.build`: a round
-        replays its ~1,000 kernels in one launch (eager vs replayed times: docs/benchmark.md).
-        None on CPU, with ``--disable-cuda-graph`` and without a draft worker.
+    def _capture_step_graphs(self) -> None:
+        """The planner's graphs, one per (SGLang decode batch size, verify width)
+        (`GraftPlanner.capture_graphs`; `GraftPlanner.build` replays them). None on CPU, with
+        ``--disable-cuda-graph`` (the fused kernels compile once eagerly then) and without a draft
+        worker.
 
         Start-up never dies on graft's own kernels: a Triton compile or graph capture failure of
         the fused step switches the process to the torch references (`use_reference_kernels`) with
@@ -482,14 +479,14 @@ class GraftWorker(EAGLEWorkerV2):
         """
         if self._draft_worker is None or torch.device(self.device).type != "cuda":
             self.step_path = "torch reference, eager (CPU)" if self._draft_worker is not None else "none"
-            return None
+            return
         self._slots()  # the token history is read inside the graphs: size it before capture
         graphed = not _ev2.check_cuda_graph_backend(_ev2.Phase.DECODE, _ev2.Backend.DISABLED)
         buckets = _ev2.get_exec().graph.cuda_graph_bs_decode if graphed else [1]
         for attempt in ("fused", "reference"):
-            graphs = StepGraphs(self.planner, self.topk, self.speculative_num_steps, buckets, self.widths)
             try:
-                graphs.capture() if graphed else graphs.warm_up()
+                graphs = self.planner.capture_graphs(self.topk, self.speculative_num_steps, buckets, self.widths,
+                                                     replay=graphed)
             except Exception as exc:  # noqa: BLE001 - a compile or capture error of graft's step
                 cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 if attempt == "fused" and kernel_path() == "fused":
@@ -501,13 +498,12 @@ class GraftWorker(EAGLEWorkerV2):
                     logger.warning("graft: capturing the graft step failed (%s); the step runs eagerly", cause,
                                    exc_info=exc)
                     self.step_path = f"{kernel_path()}, eager (capture failed: {cause})"
-                    return None
+                    return
                 raise
             self.step_path = f"{kernel_path()}, {'CUDA graphs' if graphed else 'eager'}"
             logger.info("graft step: %s (%d graphs: batch sizes %s, widths %s)", self.step_path, graphs.captured,
                         list(graphs.buckets), list(graphs.widths))
-            return graphs if graphed else None
-        return None
+            return
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         """``EAGLEWorkerV2.forward_batch_generation`` with the round's verify width chosen first."""

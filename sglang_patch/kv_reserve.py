@@ -30,6 +30,11 @@ import logging
 import os
 from typing import Any, Dict, Optional, Sequence
 
+from graft_spec.pipeline import GraftPlanner
+from sglang_patch.args import GraftSettingsError, effective_graft_config
+from sglang_patch.hooks import register_hook
+from sglang_patch.memory import FLASHINFER_WORKSPACE_BYTES, Serving, width_state_bytes
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TARGET", "estimate_width_bytes", "plan_reserve", "reserve_after_profile", "kept_widths",
@@ -62,8 +67,6 @@ def estimate_width_bytes(width: int, *, backend: str, graphs: bool, graph_max_bs
         graph_max_bs: the largest captured decode batch.
         context: the model's context length (tokens).
     """
-    from sglang_patch.memory import FLASHINFER_WORKSPACE_BYTES, Serving, width_state_bytes
-
     workspace = 0
     if backend == "flashinfer":
         workspace = int(os.environ.get("SGLANG_FLASHINFER_WORKSPACE_SIZE", FLASHINFER_WORKSPACE_BYTES))
@@ -99,8 +102,6 @@ def reserve_after_profile(result: int, configurator, *args, **kwargs) -> int:
     """``AFTER`` hook of `TARGET`: ``result`` (bytes) minus the reserve of graft's extra widths, on
     the target of a graft server with the batch budget on; ``result`` unchanged elsewhere and on
     any error (logged: the reserve must never stop a server that would otherwise start)."""
-    from sglang_patch.args import GraftSettingsError
-
     try:
         if configurator.is_draft_worker or _algorithm(configurator) != "GRAFT":
             return result
@@ -125,7 +126,6 @@ def _reserve(available: int, configurator) -> int:
     from sglang.srt.runtime_context import get_exec
     from sglang.srt.speculative.eagle_worker_v2 import check_cuda_graph_backend
 
-    from sglang_patch.args import effective_graft_config
 
     sa = resolving_view(configurator.server_args)
     cfg = effective_graft_config(sa)
@@ -178,9 +178,6 @@ def _planner_state(cfg, configurator, sa, available: int) -> Dict[str, int]:
         GraftSettingsError: it would take more than `MAX_SHARE` of the profiled KV bytes (names the
             fields that size it).
     """
-    from graft_spec.pipeline import GraftPlanner
-
-    from sglang_patch.args import GraftSettingsError
 
     max_bs = int(getattr(sa, "max_running_requests", None) or 1)
     state = GraftPlanner.state_bytes(cfg, int(configurator.model_config.vocab_size), max_bs, max_bs + 1)
@@ -228,6 +225,4 @@ def summary() -> Optional[Dict[str, Any]]:
 def register_kv_reserve() -> bool:
     """Register `reserve_after_profile` with SGLang's HookRegistry (once, in scheduler processes only:
     elsewhere resolving `TARGET` would import the model stack for nothing). True when newly registered."""
-    from sglang_patch.registration import register_hook
-
     return register_hook(TARGET, reserve_after_profile, "AFTER", only_if_imported=SCHEDULER_MODULE)

@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from graft_spec.config import load_config
 
 MIB = 1024 ** 2
 GIB = 1024 ** 3
@@ -280,8 +281,6 @@ def serving_from_graft_config(path: Optional[Path], **kw) -> Serving:
     (validated by ``graft_spec.config.load_config``); ``kw`` overrides."""
     fields: Dict = {}
     if path is not None:
-        from graft_spec.config import load_config
-
         cfg = load_config(str(path), environ={})
         r = cfg.retrieval
         fields = dict(num_draft_tokens=cfg.num_draft_tokens, topk=cfg.topk, depth=cfg.depth,

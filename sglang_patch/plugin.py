@@ -5,6 +5,16 @@ process; ``srt/plugins/__init__.py:103``), before ``HookRegistry.apply_hooks()``
 must therefore be idempotent and cheap.
 """
 
+from __future__ import annotations
+
+from sglang_patch.bench.op_census import register_op_census
+from sglang_patch.cpu import install_cpu_layer
+from sglang_patch.kv_reserve import register_kv_reserve
+from sglang_patch.prefill_finish import register_prefill_finish
+from sglang_patch.registration import register_graft
+from sglang_patch.request_guard import register_request_guard
+from sglang_patch.server_stats import register_server_stats
+
 
 def register() -> None:
     """Install the CPU execution layer (only when no CUDA device), register ``graft``, the
@@ -14,14 +24,6 @@ def register() -> None:
     Source: SGLang 0.5.23 ``srt/plugins/__init__.py`` (``load_plugins``) and
     ``srt/plugins/hook_registry.py`` (hooks registered here are applied right after).
     """
-    from sglang_patch.cpu import install_cpu_layer
-    from sglang_patch.kv_reserve import register_kv_reserve
-    from sglang_patch.prefill_finish import register_prefill_finish
-    from sglang_patch.registration import register_graft
-    from sglang_patch.request_guard import register_request_guard
-    from sglang_patch.server_stats import register_server_stats
-    from sglang_patch.bench.op_census import register_op_census
-
     install_cpu_layer()
     register_graft()
     register_server_stats()  # GET /server_info -> internal_states[i]["graft"]

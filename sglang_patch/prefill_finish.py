@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from sglang_patch.hooks import register_hook
+
 logger = logging.getLogger(__name__)
 
 TARGET_MODULE = "sglang.srt.managers.scheduler_components.batch_result_processor"
@@ -37,6 +39,4 @@ def free_finished_in_prefill(result, processor, batch, *args, **kwargs):
 
 def register_prefill_finish() -> bool:
     """Register the hook (scheduler processes only). Returns True when newly registered."""
-    from sglang_patch.registration import register_hook
-
     return register_hook(TARGET, free_finished_in_prefill, "AFTER", only_if_imported="sglang.srt.managers.scheduler")

@@ -7,10 +7,10 @@ afterwards, also on error. The points (file:line of SGLang 0.5.23's ``srt/specul
 
 | rebound name | looked up at | by | why |
 |---|---|---|---|
-| ``eagle_worker_v2.build_eagle_verify_input`` | ``eagle_worker_v2.py:717`` | ``GraftWorker.draft`` | the graft tree instead of the EAGLE tree |
-| ``eagle_worker_v2.organize_draft_results`` | ``eagle_worker_v2.py:919`` | ``GraftWorker.draft_forward`` | capture the dense draft tree |
-| ``eagle_worker_v2.select_top_k_tokens`` | ``eagle_worker_v2.py:812`` | ``GraftWorker.draft_forward`` (eager) | the draft stop gate |
-| the draft runner's ``forward`` | ``eagle_worker_v2.py`` draft loop | ``GraftWorker.draft_forward`` (eager) | count / skip draft forwards |
+| ``eagle_worker_v2.build_eagle_verify_input`` | ``eagle_worker_v2.py:717`` | ``GraftDraftWorker.draft`` | the graft tree instead of the EAGLE tree |
+| ``eagle_worker_v2.organize_draft_results`` | ``eagle_worker_v2.py:919`` | ``GraftDraftWorker.draft_forward`` | capture the dense draft tree |
+| ``eagle_worker_v2.select_top_k_tokens`` | ``eagle_worker_v2.py:812`` | ``GraftDraftWorker.draft_forward`` (eager) | the draft stop gate |
+| the draft runner's ``forward`` | ``eagle_worker_v2.py`` draft loop | ``GraftDraftWorker.draft_forward`` (eager) | count / skip draft forwards |
 | the target model runner's ``spec_algorithm`` (NONE) | ``decode_cuda_graph_runner.py:362``, ``base_runner.py:510`` | a plain round's forward, its decode graphs' capture (`sglang_patch.plain_round`) | SGLang's decode path in a speculative server |
 | ``eagle_worker_v2.DecodeCudaGraphRunner`` | ``eagle_worker_v2.py:1811`` | building the width-1 state (`sglang_patch.verify_widths`) | decode graphs (`PlainDecodeGraphRunner`) instead of one-node verify graphs |
 | ``eagle_utils.tree_speculative_sampling_target_only``, ``eagle_utils.torch`` | ``eagle_utils.py:744-748`` | graft's verify (`sglang_patch.tree_sampling`) | sampled verify without the zero tensor |

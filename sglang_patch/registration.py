@@ -16,34 +16,12 @@ from __future__ import annotations
 
 import logging
 
+from sglang_patch.args import add_graft_cli_args, stash_graft_cli_args
+from sglang_patch.spec_algo import ALGORITHM_NAME, GraftSpec
+
 logger = logging.getLogger(__name__)
 
 _HOOKS_REGISTERED = False
-#: targets this process registered a plugin hook on (`register_hook`)
-_HOOKED: set = set()
-
-
-def register_hook(target: str, hook, hook_type: str = "AFTER", only_if_imported: str = "") -> bool:
-    """Register ``hook`` on ``target`` with SGLang's HookRegistry, once per process and target.
-
-    Args:
-        target: dotted path of the patched function (``HookRegistry.register``'s target).
-        hook: the hook function.
-        hook_type: ``"BEFORE"`` or ``"AFTER"`` (``HookType`` member name).
-        only_if_imported: a module name: register only in processes that have imported it (resolving
-            the target elsewhere would import a module stack the process never runs).
-    Returns:
-        True when newly registered.
-    """
-    import sys
-
-    if target in _HOOKED or (only_if_imported and only_if_imported not in sys.modules):
-        return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(target, hook, HookType[hook_type])
-    _HOOKED.add(target)
-    return True
 
 
 def _graft_worker_factory(server_args):
@@ -59,7 +37,6 @@ def register_graft() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_patch.spec_algo import ALGORITHM_NAME, GraftSpec
 
     if get_spec(ALGORITHM_NAME) is None:
         # supports_overlap=True: the graft step has no host read and re-anchors the host's
@@ -71,7 +48,6 @@ def register_graft() -> None:
     if not _HOOKS_REGISTERED:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        from sglang_patch.args import add_graft_cli_args, stash_graft_cli_args
 
         HookRegistry.register(
             "sglang.srt.server_args.ServerArgs.add_cli_args",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from sglang_patch.hooks import register_hook
 from sglang_patch.request_features import OPT_OUT_KEY
 
 #: SGLang 0.5.23 per-request validation after tokenization.
@@ -108,6 +109,4 @@ def register_request_guard() -> bool:
     it anyway, schedulers and the detokenizer already have it loaded by the other plugin hooks
     (measured: +0.02 s). Returns True when newly registered.
     """
-    from sglang_patch.registration import register_hook
-
     return register_hook(TARGET, check_prompt_tokens, "BEFORE")

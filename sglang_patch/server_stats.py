@@ -50,6 +50,7 @@ import logging
 from typing import Any, Callable, Dict
 
 from sglang_patch import kv_reserve
+from sglang_patch.hooks import register_hook
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,4 @@ def register_server_stats() -> bool:
     process that has not imported `TARGET_MODULE` (see the module docstring). Returns True when
     newly registered.
     """
-    from sglang_patch.registration import register_hook
-
     return register_hook(TARGET, add_graft_stats, "AFTER", only_if_imported=TARGET_MODULE)

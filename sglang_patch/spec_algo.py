@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from sglang_patch.args import apply_graft_server_defaults
+
 if TYPE_CHECKING:  # pragma: no cover
     from sglang.srt.server_args import ServerArgs
 
@@ -71,9 +73,7 @@ class GraftSpec(CustomSpecAlgo):
         )
 
     def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
-        from sglang.srt.speculative.eagle_disaggregation import (
-            build_eagle_disagg_draft_input,
-        )
+        from sglang.srt.speculative.eagle_disaggregation import build_eagle_disagg_draft_input
 
         return build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map)
 
@@ -84,8 +84,6 @@ class GraftSpec(CustomSpecAlgo):
         Raises:
             ValueError: one message naming the offending field (see ``sglang_patch.args``).
         """
-        from sglang_patch.args import apply_graft_server_defaults
-
         apply_graft_server_defaults(server_args)
 
     def create_worker(self, server_args: "ServerArgs"):

@@ -70,7 +70,7 @@ def quick_models() -> ModelPaths:
 
 @pytest.fixture
 def check_hook_registration(monkeypatch):
-    """A check for a plugin hook registered through ``sglang_patch.registration.register_hook`` with
+    """A check for a plugin hook registered through ``sglang_patch.hooks.register_hook`` with
     ``only_if_imported``: ``check(register, module, target, hook, kind)`` asserts that ``register()``
     registers nothing while ``module`` is not imported, then ``hook`` on ``target`` exactly once
     (``HookRegistry.register`` recorded, not applied)."""
@@ -78,13 +78,13 @@ def check_hook_registration(monkeypatch):
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_patch import registration
+    from sglang_patch import hooks
 
     def check(register, module: str, target: str, hook, kind) -> None:
         calls = []
         monkeypatch.setattr(HookRegistry, "register",
                             classmethod(lambda cls, t, h, k=kind: calls.append((t, h, k))))
-        monkeypatch.setattr(registration, "_HOOKED", set())
+        monkeypatch.setattr(hooks, "_HOOKED", set())
         monkeypatch.delitem(sys.modules, module, raising=False)
         assert register() is False and calls == []            # e.g. the HTTP process
         monkeypatch.setitem(sys.modules, module, types.ModuleType("fake"))

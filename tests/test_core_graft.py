@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft_spec.config import GraftPolicy, PruneStage
-from graft_spec.candidates import Candidates
+from graft_spec.kernels.views import Candidates
 from graft_spec.graft import merge_select, path_hashes
 from graft_spec.prune import DraftStopGate, prune
 from graft_spec.sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUFFIX

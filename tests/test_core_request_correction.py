@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft_spec.calibration import apply_correction, linear_correction
+from graft_spec.numerics.correction import apply_correction, linear_correction, price
 from graft_spec.config import GraftConfig
 from graft_spec.graphs import _rows as graph_rows
 from graft_spec.pipeline import GraftPlanner
@@ -48,17 +48,17 @@ def test_a_request_window_moves_its_own_estimates_toward_its_rate(est, hits, ove
     assert rc.recent[1, SOURCE_SUFFIX].tolist() == pytest.approx([10.0, 10 * est, hits], rel=1e-5)
     factors = rc.factors(torch.tensor([1, 2]))
     grid = torch.linspace(0, 1, 11)[None, :].expand(2, 11)
-    priced = RequestCorrection.price(grid, torch.full((1, 1), SOURCE_SUFFIX), factors)
-    assert torch.equal(RequestCorrection.price(grid, SOURCE_SUFFIX, factors), priced)   # one member as an int
+    priced = price(grid, torch.full((1, 1), SOURCE_SUFFIX), factors)
+    assert torch.equal(price(grid, SOURCE_SUFFIX, factors), priced)   # one member as an int
     assert torch.equal(priced[1], grid[1])                                # another slot: untouched
     assert (priced[0] <= grid[0]).all() if over else (priced[0] >= grid[0]).all()
     assert (priced[0].diff() >= 0).all() and (priced[0] >= 0).all() and (priced[0] <= 1).all()  # monotone
     # the window's own nodes are priced near their observed rate (8 pseudo-trials pull toward est)
-    mid = RequestCorrection.price(torch.tensor([[est]]), torch.full((1, 1), SOURCE_SUFFIX),
+    mid = price(torch.tensor([[est]]), torch.full((1, 1), SOURCE_SUFFIX),
                                   (factors[0][:1], factors[1][:1])).item()
     a = rc.pseudo_trials
     assert mid == pytest.approx((hits + a * est) / (10 + a), abs=1e-5)
-    assert torch.equal(RequestCorrection.price(grid[:1], torch.full((1, 1), SOURCE_LOOKUP),
+    assert torch.equal(price(grid[:1], torch.full((1, 1), SOURCE_LOOKUP),
                                                (factors[0][:1], factors[1][:1])), grid[:1])   # other member
 
 

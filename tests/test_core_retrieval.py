@@ -405,7 +405,7 @@ def test_lookup_equals_the_per_length_reference(seed, vocab, max_match, length, 
     """`lookup_propose` finds every position's matched length with one comparison block and a
     cumulative product; its chain, validity and match length equal a per-length search in plain
     Python (short histories, loops that wrap with their period, several comparison blocks)."""
-    from graft_spec.retrieval import lookup
+    from graft_spec.numerics import lookup
 
     g = torch.Generator().manual_seed(seed)
     b, depth = 8, 6
@@ -413,6 +413,7 @@ def test_lookup_equals_the_per_length_reference(seed, vocab, max_match, length, 
     count = torch.randint(0, length + 1, (b,), generator=g)
     count[0] = length
     hist[1, -12:] = torch.tensor([4, 5, 6] * 4)                    # a loop of period 3 at the right end
+    hist[1, -13] = 7                                               # ... that starts there (its match: 9)
     count[1] = length
     hist[:, : length // 4] = torch.where(torch.arange(length // 4) < (length - count)[:, None],
                                          -1, hist[:, : length // 4])   # invalid positions padded as history does
@@ -429,7 +430,8 @@ def test_lookup_equals_the_per_length_reference(seed, vocab, max_match, length, 
 def _propose_per_length(ring, hist, count, groups):
     """The output index's proposal computed one match length at a time, each tail hashed token by
     token with the reference `_mgram_hash` (the oracle for `OutputRing.propose`'s vectorised form)."""
-    from graft_spec.retrieval.output_ring import CHAINS, _mgram_hash
+    from graft_spec.retrieval.output_ring import CHAINS
+    from graft_spec.numerics.hashing import mgram_hash as _mgram_hash
 
     b, length = hist.shape
     cap, total = ring.capacity, int(ring.total)
@@ -474,7 +476,7 @@ def test_output_index_proposal_equals_the_per_length_reference(seed, vocab, max_
     one gather; its tokens, validity and match lengths equal a per-length, token-by-token computation
     on a small ring (wrapped and overwritten positions, hash collisions, two isolation groups, short
     histories, negative tokens in the window)."""
-    from graft_spec.retrieval.output_ring import _mgram_hash, _tail_hashes, _wrap64
+    from graft_spec.numerics.hashing import mgram_hash as _mgram_hash, tail_hashes as _tail_hashes, wrap64 as _wrap64
     from graft_spec.tree import HASH_POW
 
     g = torch.Generator().manual_seed(seed)

@@ -49,7 +49,7 @@ def _source_args(planner, kind, roots, host, slots, sampled):
 
     hist, count = planner.history.gather(slots)
     r = RoundInputs(roots, host, hist, count, torch.full_like(roots, 16), sampled, planner.calibrator.table,
-                    planner._factors(slots))
+                    planner.factors(slots))
     return next(s for s in planner.step.sources if isinstance(s, kind)).args(r)
 
 
@@ -97,14 +97,16 @@ def test_device_source_ops_trace():
     call of each op)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graft_spec.kernels.chain_part import chain_part_reference
-    from graft_spec.kernels.successor_part import successor_part_reference
+    from graft_spec.kernels.chain_part import chain_part, chain_part_reference
+    from graft_spec.kernels.successor_part import successor_part, successor_part_reference
 
     planner, roots, host, slots, sampled = _warm_planner(0, outputs="on")
     s_args = _source_args(planner, SuccessorSource, roots, host, slots, sampled)
     c_args = _source_args(planner, ChainSource, roots, host, slots, sampled)
-    for op, args, ref in ((torch.ops.graft.successor_part, s_args, successor_part_reference(*s_args)),
-                          (torch.ops.graft.chain_part, c_args, chain_part_reference(*c_args))):
+    for fused, args, ref in ((successor_part, s_args, successor_part_reference(*s_args)),
+                             (chain_part, c_args, chain_part_reference(*c_args))):
+        op = getattr(torch.ops.graft, fused.name)
+        args = fused.flatten(*args)                     # the op's flat schema arguments
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
         def call(*ts, args=args, tensors=tensors, op=op):

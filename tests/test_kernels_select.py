@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from graft_spec.candidates import Candidates
+from graft_spec.kernels.views import Candidates
 from graft_spec.config import GraftPolicy
 from graft_spec.graft import merge_select
 

@@ -403,11 +403,11 @@ def test_tracker_resyncs_after_retraction_and_sweeps_stale_entries():
     tr = GraftRequestTracker(planner, stale_rounds=2)
     a = _req("a", [1, 2, 3], [4, 5])
     tr.prepare([a])
-    assert tr.states["a"].seen == 5 and planner.seen("a") == 5
+    assert "a" in tr.states and planner.seen("a") == 5
     # retracted: SGLang kept fewer outputs than the planner saw -> rebuilt from the request's tokens
     a.output_ids = [4]
     tr.prepare([a])
-    assert tr.states["a"].seen == 4 and planner.seen("a") == 4
+    assert planner.seen("a") == 4
     other = _req("b", [1], [2])
     for _ in range(4):
         tr.prepare([other])

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from graft_spec.config import GraftConfig
+from graft_spec.pipeline import GraftPlanner
+from vllm_worker import step as step_module
 from vllm_worker.requests import RequestTracker
 from vllm_worker.step import ChainStep
 
@@ -48,16 +50,21 @@ class _Batch:
 
 
 class _RecordingPlanner:
-    """Records the planner calls the tracker makes (its whole door: begin / extend / stop)."""
+    """Records the planner calls the tracker makes (its whole door: catch_up / prefill / stop)."""
+
+    device = torch.device("cpu")
 
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def begin_request(self, rid, slot, prompt, output=(), tenant=None, sampled=False):
-        self.calls.append(("begin", rid, slot, list(prompt), list(output), sampled))
+    def catch_up(self, rid, prompt, output, tenant=None, sampled=False):
+        self.calls.append(("catch_up", rid, [int(t) for t in prompt], [int(t) for t in output], sampled))
 
-    def extend(self, rid, toks):
-        self.calls.append(("extend", rid, list(toks)))
+    def ensure_slots(self, slots):
+        pass
+
+    def prefill(self, rids, slot_ids, contexts, first=None, extend_ids=None, extend_lens=None, tenants=None):
+        self.calls.append(("prefill", rids[0], int(slot_ids[0]), list(contexts[0])))
 
     def stop_request(self, rid):
         self.calls.append(("stop", rid))
@@ -135,19 +142,40 @@ def test_tracker_feeds_each_committed_token_once_and_frees_departed_requests():
     b.set({"a": ([1, 2, 3], []), "b": ([7, 8], [9])})           # b: resumed after preemption
     slots = tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2],
                     sampled=[False, True])
-    assert rec.calls == [("begin", "a", 0, [1, 2, 3], [], False), ("begin", "b", 1, [7, 8], [9], True)]
+    assert rec.calls == [("catch_up", "a", [1, 2, 3], [], False), ("prefill", "a", 0, [1, 2, 3]),
+                         ("catch_up", "b", [7, 8], [9], True), ("prefill", "b", 1, [7, 8, 9])]
     assert slots.tolist() == [0, 1] and tr.held("a") == 3 and tr.held("b") == 3
     assert "a" in tr and "b" in tr and len(tr) == 2
     rec.calls.clear()
     b.set({"a": ([1, 2, 3], [4, 5]), "c": ([6], [])})           # b left, c joined (takes b's slot)
     slots = tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
-    assert rec.calls == [("stop", "b"), ("extend", "a", [4, 5]), ("begin", "c", 1, [6], [], False)]
+    assert rec.calls == [("stop", "b"), ("catch_up", "a", [1, 2, 3], [4, 5], False),
+                         ("catch_up", "c", [6], [], False), ("prefill", "c", 1, [6])]
     assert slots.tolist() == [0, 1] and "b" not in tr and len(tr) == 2
     rec.calls.clear()
     tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2])
     assert rec.calls == []                                     # nothing new: nothing fed twice
     tr.stop_all()
     assert sorted(rec.calls) == [("stop", "a"), ("stop", "c")] and len(tr) == 0
+
+
+def test_catch_up_feeds_each_committed_token_once():
+    """`GraftPlanner.catch_up` (both engines' trackers): a new request is started with its prompt and
+    output, a known one gets only the tokens the host has not seen, one whose prompt changed or that
+    went back (recomputed after preemption) is restarted."""
+    planner = GraftPlanner(GraftConfig(num_draft_tokens=7, topk=2, depth=2), 64)
+    fed = []
+    start, extend = planner.start_request, planner.extend
+    planner.start_request = lambda rid, p, **kw: fed.append(("start", rid, list(p))) or start(rid, p, **kw)
+    planner.extend = lambda rid, t: fed.append(("extend", rid, [int(x) for x in t])) or extend(rid, t)
+    assert planner.catch_up("a", [1, 2, 3], [4]) is True
+    assert planner.catch_up("a", [1, 2, 3], [4]) is False
+    assert planner.catch_up("a", [1, 2, 3], [4, 5, 6]) is False
+    assert planner.catch_up("a", [1, 2, 3], [4]) is True                 # went back: restarted
+    assert planner.catch_up("a", [1, 2], [3, 4]) is True                 # another prompt: restarted
+    assert fed == [("start", "a", [1, 2, 3]), ("extend", "a", [4]), ("extend", "a", [5, 6]),
+                   ("start", "a", [1, 2, 3]), ("extend", "a", [4]), ("start", "a", [1, 2]), ("extend", "a", [3, 4])]
+    assert planner.seen("a") == 4
 
 
 def test_request_left_out_of_a_step_but_alive_keeps_its_state():
@@ -161,12 +189,12 @@ def test_request_left_out_of_a_step_but_alive_keeps_its_state():
     rec.calls.clear()
     b.set({"a": ([1, 2, 3], [4, 5])})                          # b left out, still held by the runner
     tr.sync(b.req_ids, b.token_ids_cpu[:1], b.num_prompt_tokens[:1], b.num_tokens_no_spec[:1], alive={"a", "b"})
-    assert rec.calls == [("extend", "a", [5])] and "b" in tr
+    assert rec.calls == [("catch_up", "a", [1, 2, 3], [4, 5], False)] and "b" in tr
     rec.calls.clear()
     b.set({"a": ([1, 2, 3], [4, 5]), "b": ([7, 8], [9, 10, 11])})  # b back: only its new tokens
     slots = tr.sync(b.req_ids, b.token_ids_cpu[:2], b.num_prompt_tokens[:2], b.num_tokens_no_spec[:2],
                     alive={"a", "b"})
-    assert rec.calls == [("extend", "b", [10, 11])] and slots.tolist() == [0, 1]
+    assert rec.calls == [("catch_up", "b", [7, 8], [9, 10, 11], False)] and slots.tolist() == [0, 1]
     rec.calls.clear()
     b.set({"a": ([1, 2, 3], [4, 5])})                          # b finished: gone from the runner too
     tr.sync(b.req_ids, b.token_ids_cpu[:1], b.num_prompt_tokens[:1], b.num_tokens_no_spec[:1], alive={"a"})
@@ -273,7 +301,7 @@ def test_nodes_below_a_rejected_node_are_known_misses():
 
 def test_chains_never_hold_nodes_deeper_than_k():
     """Issue 45 (e): retrieved chains (lookup, suffix) run N - 1 deep; a chain engine verifies K."""
-    from graft_spec.candidates import Candidates
+    from graft_spec.kernels.views import Candidates
     from graft_spec.chain import cap_depth
     from graft_spec.tree import node_depths
 
@@ -292,7 +320,7 @@ def test_chains_never_hold_nodes_deeper_than_k():
     assert c.bins[0].tolist() == [0, 0, -1, -1]
 
 
-def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_planner():
+def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_planner(monkeypatch):
     """Issue 45 (b) and (e): vLLM's sampled requests reach the core as sampled (its bins, its output
     index rule), and every step's tree goes back through `GraftPlanner.observe` (calibration and the
     per-request correction), not the calibrator alone."""
@@ -300,21 +328,22 @@ def test_sampled_rows_are_built_and_started_as_sampled_and_observed_through_the_
     step = ChainStep(GraftConfig(num_draft_tokens=7, topk=2, depth=k), vocab)
     planner = step.planner
     seen = {"sampled": [], "observe": 0, "begin": []}
-    build, observe, begin = planner.build_chains, planner.observe, planner.begin_request
+    build, observe, begin = step_module.build_chains, planner.observe, planner.start_request
 
     def build_spy(*a, **kw):
-        seen["sampled"].append(a[5].tolist())
+        seen["sampled"].append(a[6].tolist())
         return build(*a, **kw)
 
     def observe_spy(*a, **kw):
         seen["observe"] += 1
         return observe(*a, **kw)
 
-    def begin_spy(rid, slot, prompt, output=(), tenant=None, sampled=False):
+    def begin_spy(rid, prompt, tenant=None, sampled=False):
         seen["begin"].append((rid, sampled))
-        return begin(rid, slot, prompt, output, tenant=tenant, sampled=sampled)
+        return begin(rid, prompt, tenant=tenant, sampled=sampled)
 
-    planner.build_chains, planner.observe, planner.begin_request = build_spy, observe_spy, begin_spy
+    monkeypatch.setattr(step_module, "build_chains", build_spy)
+    planner.observe, planner.start_request = observe_spy, begin_spy
     target = _bigram(vocab, 3)
     b = _Batch()
     outs = {"g": [], "s": []}

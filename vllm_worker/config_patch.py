@@ -48,6 +48,8 @@ import logging
 import os
 from typing import Any, Literal, Optional, get_args
 
+from graft_spec.config import GraftConfig, load_config
+
 __all__ = ["GRAFT_METHOD", "patch_speculative_config", "graft_config_of", "is_graft", "translate_aux_layer_ids"]
 
 GRAFT_METHOD = "graft"
@@ -73,7 +75,6 @@ def graft_config_of(spec_config: Any):
     """
     if not is_graft(spec_config):
         raise ValueError("speculative_config was not built with method='graft'")
-    from graft_spec.config import GraftConfig
 
     return GraftConfig.model_validate_json(spec_config.graft_config)
 
@@ -94,7 +95,6 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
     """
     from pydantic import ValidationError
 
-    from graft_spec.config import GraftConfig, load_config
 
     inline = _is_inline(path)
     src = "inline JSON" if inline else (path or os.environ.get("GRAFT_CONFIG") or "GRAFTCFG_* env")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import logging
 
+from .config_patch import is_graft, patch_speculative_config
+
 __all__ = ["register"]
 
 logger = logging.getLogger("vllm.graft")
@@ -47,8 +49,6 @@ def _patch_runner() -> None:
 
 def _install_graft_drafter(runner) -> None:
     """Swap the runner's EAGLE drafter for `GraftProposer` when the config asks for graft."""
-    from .config_patch import is_graft
-
     spec = getattr(runner, "speculative_config", None)
     drafter = getattr(runner, "drafter", None)
     if not is_graft(spec) or drafter is None:
@@ -71,7 +71,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from .config_patch import patch_speculative_config
 
     patch_speculative_config()
     try:

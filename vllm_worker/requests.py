@@ -4,9 +4,10 @@ vLLM's proposer is told nothing about request arrival or completion; like vLLM's
 proposer (v1/spec_decode/suffix_decoding.py:9-102) we diff the input batch each step:
 
 * a request id seen for the first time gets an engine slot (a stable row of the planner's token
-  history) and ``planner.begin_request`` with its prompt and any output it already has (a
-  resumed, preempted request): host sources, token window, successor warm start;
-* a known id -> ``planner.extend`` with the tokens committed since the last step
+  history), ``planner.catch_up`` with its prompt and any output it already has (a resumed,
+  preempted request: the host sources) and ``planner.prefill`` (token window, successor warm
+  start from the prompt): the same two calls as SGLang's adapter;
+* a known id -> ``planner.catch_up``: the tokens committed since the last step
   (``token_ids_cpu[i, cursor:num_tokens_no_spec[i]]``, written during bookkeeping, which Graft
   runs before the proposer, gpu_model_runner.py:4345-4455);
 * an id that is neither in the batch nor alive in the runner (``runner.requests``: finished or
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
 import numpy as np
+import torch
 
 from graft_spec.pipeline import GraftPlanner
 
@@ -104,14 +106,25 @@ class RequestTracker:
             if r is None:
                 p = min(int(num_prompt_tokens[i]), n)
                 slot = self._free.pop() if self._free else self._new_slot()
-                self.planner.begin_request(rid, slot, token_ids[i, :p].tolist(), token_ids[i, p:n].tolist(),
-                                           sampled=bool(sampled[i]) if sampled is not None else False)
+                self._start(rid, slot, token_ids[i, :p].tolist(), token_ids[i, p:n].tolist(),
+                            bool(sampled[i]) if sampled is not None else False)
                 r = self._reqs[rid] = _Req(slot, n, n)
             elif n > r.cursor:
-                self.planner.extend(rid, token_ids[i, r.cursor:n].tolist())
+                p = min(int(num_prompt_tokens[i]), n)
+                self.planner.catch_up(rid, token_ids[i, :p], token_ids[i, p:n])
                 r.cursor = n
             slots[i] = r.slot
         return slots
+
+    def _start(self, rid: str, slot: int, prompt: list, output: list, sampled: bool) -> None:
+        """A new request on ``slot``: the host sources (`GraftPlanner.catch_up`), then its token
+        window and the successor warm start from its prompt (`GraftPlanner.prefill`)."""
+        planner = self.planner
+        planner.catch_up(rid, prompt, output, sampled=sampled)
+        planner.ensure_slots(slot + 1)
+        dev = planner.device
+        planner.prefill([rid], torch.tensor([slot], device=dev), [prompt + output],
+                        extend_ids=torch.tensor(prompt, dtype=torch.int64, device=dev), extend_lens=[len(prompt)])
 
     def _new_slot(self) -> int:
         self._slots += 1

@@ -2,7 +2,6 @@
 
 Runs in the SGLang venv (``.venv``), after ``python -m vllm_worker.bench`` wrote its JSON in the engine
 venv (its ``eagle3`` greedy rows at batch 1 hold vLLM's per-position counters and outputs)::
-
     .venv-vllm/bin/python -m vllm_worker.bench --methods eagle3 --modes greedy --json bench_out/vllm.json
     .venv/bin/python -m vllm_worker.sglang_compare bench_out/vllm.json --json bench_out/sglang_eagle3.json
 
@@ -22,6 +21,9 @@ import json
 import sys
 from pathlib import Path
 from typing import Optional
+
+from sglang_patch.launcher import SGLangServer
+from vllm_worker.bench import load_prompt_set
 
 __all__ = ["stream_rounds", "main"]
 
@@ -55,8 +57,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from sglang_patch.launcher import SGLangServer
-    from vllm_worker.bench import load_prompt_set
 
     ref = json.loads(Path(args.vllm_json).read_text())
     a = ref["args"]

@@ -4,10 +4,10 @@
 
 1. `begin`; then `record` once per EAGLE draft pass (K passes, top-1 continues the loop);
 2. `finish` with the batch's request ids and committed tokens: it hands last step's tree and the
-   tokens committed since to `GraftPlanner.observe_committed` (calibration, per-request
+   tokens committed since to `chains.observe_committed` (calibration, per-request
    correction, successor table, token windows), syncs per-request state (`RequestTracker`:
-   `GraftPlanner.begin_request` / ``extend`` / ``stop_request``), builds the spine tree
-   (`chain.spine_tree`), runs the graft step (`GraftPlanner.build_chains`: no node deeper than
+   `GraftPlanner.catch_up` / ``prefill`` / ``stop_request``), builds the spine tree
+   (`chain.spine_tree`), runs the graft step (`chains.build_chains`: no node deeper than
    K) and returns each request's chain (`chain.ChainPricer.choose`: the tree's paths and the whole
    draft spine priced by their chain-calibrated conditional acceptance); the next step's `finish`
    counts the accepted chain tokens by source (`GraftStats`: its own, and the process's ``graft:*``
@@ -31,6 +31,7 @@ from graft_spec.config import GraftConfig
 from graft_spec.pipeline import (ChainPricer, DraftTree, GraftPlanner, GraftStats, StepOutput, spine_tree,
                                  tree_draft_candidates)
 
+from .chains import build_chains, observe_committed
 from .requests import RequestTracker
 
 __all__ = ["ChainStep", "prometheus_stats"]
@@ -122,7 +123,7 @@ class ChainStep:
             new = token_ids[i, int(old_n[j]):int(num_tokens[i])][:width]
             committed[j, : len(new)] = torch.from_numpy(np.asarray(new, dtype=np.int64))
             lens[j] = len(new)
-        stats = self.planner.observe_committed(out, committed, lens, slots)
+        stats = observe_committed(self.planner, out, committed, lens, slots)
         self.pricer.observe(committed, lens)
         self._record(chains, sources, committed, lens, stats)
         for j, rid in enumerate(rids):
@@ -193,8 +194,8 @@ class ChainStep:
         flags = torch.tensor([bool(x) for x in sampled[:b]] if sampled is not None else [False] * b,
                              dtype=torch.bool)
         # the tracker fed every committed token (root included) to the host sources: no lag
-        out = self.planner.build_chains(tree_draft_candidates(draft), draft.tokens[:, 0], host,
-                                        torch.from_numpy(slots), torch.from_numpy(n_tok) - 1, flags, max_len)
+        out = build_chains(self.planner, tree_draft_candidates(draft), draft.tokens[:, 0], host,
+                       torch.from_numpy(slots), torch.from_numpy(n_tok) - 1, flags, max_len)
         tokens, length, expected, sources = self.pricer.choose(out.tree, logp, ids, flags, max_len)
         self.last_tree, self.last_expected = out.tree, expected
         self._last = (list(req_ids), n_tok.copy(), out, tokens, sources)

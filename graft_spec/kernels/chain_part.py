@@ -1,6 +1,6 @@
 """The device chain sources' priced candidates of a round in one kernel: lookup and the output index.
 
-Lookup (retrieval/lookup.py): the slot history's tail is matched at every earlier position, the
+Lookup (numerics/lookup.py): the slot history's tail is matched at every earlier position, the
 longest match (latest first) continues as a chain, wrapping around with its period when it runs
 into the present. Output index (retrieval/output_ring.py): the tail of every length in
 ``match_lengths`` is hashed, its latest position in the ring read and verified; the longest verified
@@ -10,7 +10,7 @@ per-request correction.
 
 Reference: `chain_part_reference`, the computation of ``ChainSource.propose`` (device_sources.py:
 `lookup_propose`, `OutputRing.propose` as `outputs_propose_reference`, `Calibrator.retrieval_bins`,
-`RequestCorrection.price`) as a function of tensors and ints. Fused: `_chain_part_kernel`, one Triton program
+`numerics.correction.price`) as a function of tensors and ints. Fused: `_chain_part_kernel`, one Triton program
 per request: the lookup scans the window in blocks of positions, keeping for every match length the
 latest position that matches at least that long; the output index verifies every tail length at
 once. Everything is integer arithmetic (hashes wrap in int64 in both) except the estimate, one table
@@ -27,12 +27,17 @@ from typing import Optional
 
 import torch
 
-from ..retrieval.lookup import lookup_propose
-from ..retrieval.output_ring import CHAINS, _tail_hashes
+from ..numerics.lookup import lookup_propose
+from ..numerics.bins import retrieval_bin_ids
+from ..numerics.correction import price
+from ..numerics.hashing import tail_hashes
+from ..numerics.rows import mode_rows
 from ..sources import SOURCE_LOOKUP, SOURCE_OUTPUTS
 from ..tree import HASH_ADD, HASH_MIX
 from .common import int8_arg
-from .layout import fused_kernels_for, triton
+from .layout import triton
+from .registry import fused_op
+from .views import ChainOptions, Prices, RetrievalBins, RingView, Windows
 
 if triton is not None:
     import triton.language as tl
@@ -40,24 +45,26 @@ if triton is not None:
 
 __all__ = ["chain_part", "chain_part_reference", "chain_part_triton", "outputs_propose_reference"]
 
+#: Chains the output index proposes per row (`OutputRing.propose`): the longest verified match and
+#: the longest one whose next token differs.
+CHAINS = 2
+
 _Out = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def outputs_propose_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, ring: torch.Tensor,
-                              tag: torch.Tensor, table: torch.Tensor, total: torch.Tensor, lengths: torch.Tensor,
-                              pow_r: torch.Tensor, pow_m: torch.Tensor, match_lengths: list[int], depth: int
+def outputs_propose_reference(win: Windows, groups: torch.Tensor, index: RingView, depth: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`OutputRing.propose` (retrieval/output_ring.py) as a function of the ring's tensors.
 
     Args:
-        hist, count, groups: as `OutputRing.propose`.
-        ring, tag: ``int64[C]`` `OutputRing.ring` / ``tag``; table: ``int64[K, H]`` ``table``;
-        total: ``int64[]`` ``total`` (the device write position); lengths, pow_r, pow_m: the ring's
-        ``_lengths``, ``_pow_r``, ``_pow_m``; match_lengths: its ``lengths`` (the same values as ints);
-        depth: D, its ``depth``.
+        win: the rows' token windows (`Windows`, ending with the root); groups: ``int64[B]``
+            isolation groups.
+        index: the output index (`OutputRing.view`); depth: D, chain length (its ``depth``).
     Returns:
         ``(tokens int64[B, CHAINS, D], valid bool[B, CHAINS, D], match int64[B, CHAINS])``.
     """
+    hist, count = win
+    ring, tag, table, total, lengths, pow_r, pow_m, match_lengths = index
     b, length = hist.shape
     dev = hist.device
     cap = ring.shape[0]
@@ -68,7 +75,7 @@ def outputs_propose_reference(hist: torch.Tensor, count: torch.Tensor, groups: t
     mm = match_lengths[kk - 1]
     lens = lengths[:kk]
     tail_rev = hist[:, length - mm:].flip(1)                                    # [B, mm], root first
-    slot = _tail_hashes(tail_rev, groups, lens, pow_r[:mm], pow_m[:kk]) & (slots - 1)
+    slot = tail_hashes(tail_rev, groups, lens, pow_r[:mm], pow_m[:kk]) & (slots - 1)
     ps = table[:kk].gather(1, slot.t()).t()                                     # [B, K] latest positions
     back = torch.arange(mm, device=dev)
     at = (ps[:, :, None] - back).clamp(min=0) % cap                             # [B, K, mm]
@@ -91,56 +98,38 @@ def outputs_propose_reference(hist: torch.Tensor, count: torch.Tensor, groups: t
     return torch.where(valid, tokens, 0), valid, match
 
 
-def chain_part_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                         est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                         retrieval_base: torch.Tensor, logp_edges: torch.Tensor, depth_edges: torch.Tensor,
-                         match_edges: torch.Tensor, ring: Optional[torch.Tensor], ring_tag: Optional[torch.Tensor],
-                         ring_table: Optional[torch.Tensor], ring_total: Optional[torch.Tensor],
-                         ring_lengths: Optional[torch.Tensor], ring_pow_r: Optional[torch.Tensor],
-                         ring_pow_m: Optional[torch.Tensor], match_lengths: list[int], depth: int,
-                         lookup_max_match: int, per_mode: int, outputs_greedy: bool, outputs_sampled: bool) -> _Out:
+def chain_part_reference(win: Windows, groups: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                         layout: RetrievalBins, index: Optional[RingView], opts: ChainOptions) -> _Out:
     """The device chains priced (``ChainSource.propose``, device_sources.py, with `lookup_propose` of
-    retrieval/lookup.py, `OutputRing.propose` of retrieval/output_ring.py, `Calibrator.retrieval_bins`
-    of calibration.py and `RequestCorrection.price`): the lookup's chain, then the output index's
+    numerics/lookup.py, `OutputRing.propose` of retrieval/output_ring.py, `Calibrator.retrieval_bins`
+    of calibration.py and `numerics.correction.price`): the lookup's chain, then the output index's
     `CHAINS`, each ``D = depth`` deep, node t of a chain at depth t + 1.
 
     Args:
-        hist, count: ``int64[B, L]`` / ``int64[B]`` the slots' right-aligned token windows ending with
-            the root (history.py; L >= 2); groups: ``int64[B]`` isolation groups; sampled: ``bool[B]``.
-        est_table: ``float32[S + 1]`` `Calibrator.table`.
-        scale, under: ``float32[B, NUM_MEMBERS]`` / ``bool[B, NUM_MEMBERS]`` the rows' per-request
-            correction (the identity ``(1, False)`` prices as none).
-        retrieval_base: ``int64[NUM_MEMBERS]`` `Calibrator._retrieval_base` (first bin of each member);
-        logp_edges, depth_edges, match_edges: the calibrator's ``logp_edges`` (ascending, float32),
-            ``depth_edges`` and ``match_edges`` (int64).
-        ring, ring_tag, ring_table, ring_total, ring_lengths, ring_pow_r, ring_pow_m: the output
-            index's ``ring``, ``tag``, ``table``, ``total`` (device ``int64[]``), ``_lengths``,
-            ``_pow_r``, ``_pow_m`` (`OutputRing`), or all None when it is off.
-        match_lengths: the ring's ``lengths`` (ints; ``[]`` when off).
-        depth: D, chain length (the step's ``pool - 1``; the ring's ``depth`` must equal it).
-        lookup_max_match: `LOOKUP_MAX_MATCH` when lookup is on, 0 when off.
-        per_mode: ``Calibrator.layout.per_mode``.
-        outputs_greedy, outputs_sampled: the rows the output index proposes to
-            (``retrieval.outputs_modes``).
+        win: the slots' right-aligned token windows ending with the root (`Windows`, L >= 2);
+            groups: ``int64[B]`` isolation groups; sampled: ``bool[B]``.
+        prices: the round's `Prices` (the identity correction ``(1, False)`` prices as none).
+        layout: the calibrator's `RetrievalBins`.
+        index: the output index (`OutputRing.view`), or None when it is off.
+        opts: `ChainOptions`: ``depth`` D, chain length (the step's ``pool - 1``; the ring's
+            ``depth`` must equal it); ``lookup_max_match`` `LOOKUP_MAX_MATCH` when lookup is on, 0
+            when off; the rows the output index proposes to (``retrieval.outputs_modes``).
     Returns:
         ``(tokens int64[B, C], parents int64[B, C], est float32[B, C], valid bool[B, C],
         bins int64[B, C], member int64[B, C])``, ``C = (lookup on + CHAINS * outputs on) * D``, a
-        `Candidates` block (candidates.py); est 0 and bins -1 where not valid.
+        `Candidates` block (kernels/views.py); est 0 and bins -1 where not valid.
     Raises:
         ValueError: both sources off (the step has no chain part then).
     """
-    from ..calibration import retrieval_bin_ids
-    from ..request_correction import RequestCorrection
-    from ..step import _mode_rows
-
+    est_table, scale, under = prices
+    depth, lookup_max_match, outputs_greedy, outputs_sampled = opts
     chains = []                                                  # (tokens, valid, match [B, C(, D)], member)
     if lookup_max_match > 0:
-        tok, valid, match = lookup_propose(hist, count, lookup_max_match, depth)
+        tok, valid, match = lookup_propose(win.hist, win.count, lookup_max_match, depth)
         chains.append((tok[:, None], valid[:, None], match[:, None], SOURCE_LOOKUP))
-    if ring is not None:
-        tok, valid, match = outputs_propose_reference(hist, count, groups, ring, ring_tag, ring_table, ring_total,
-                                                      ring_lengths, ring_pow_r, ring_pow_m, match_lengths, depth)
-        rows = _mode_rows((outputs_greedy, outputs_sampled), sampled)
+    if index is not None:
+        tok, valid, match = outputs_propose_reference(win, groups, index, depth)
+        rows = mode_rows((outputs_greedy, outputs_sampled), sampled)
         if rows is not None:
             valid = valid & rows[:, None, None]
         chains.append((tok, valid, match, SOURCE_OUTPUTS))
@@ -153,10 +142,9 @@ def chain_part_reference(hist: torch.Tensor, count: torch.Tensor, groups: torch.
                          for t, _, _, m in chains], 1)
     node_depth = torch.arange(1, d + 1, device=dev).repeat(c).expand(b, c * d)
     match = torch.cat([ch[2] for ch in chains], 1).repeat_interleave(d, dim=1)
-    bins = retrieval_bin_ids(members, node_depth, torch.zeros(b, c * d, device=dev), match, sampled, retrieval_base,
-                             logp_edges, depth_edges, match_edges, per_mode)
+    bins = retrieval_bin_ids(members, node_depth, torch.zeros(b, c * d, device=dev), match, sampled, *layout)
     valid = torch.cat([ch[1] for ch in chains], 1).reshape(b, c * d)
-    est = torch.where(valid, RequestCorrection.price(est_table[bins], members, (scale, under)), 0.0)
+    est = torch.where(valid, price(est_table[bins], members, (scale, under)), 0.0)
     chain = torch.arange(-1, d - 1, device=dev)
     parents = torch.cat([torch.where(chain < 0, -1, chain + i * d) for i in range(c)]).expand(b, c * d).clone()
     return tokens.reshape(b, c * d), parents, est, valid, torch.where(valid, bins, -1), members
@@ -297,20 +285,20 @@ if triton is not None:
                             D, C, M, NQE, NDE, NME, BE)
 
 
-def chain_part_triton(hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                      est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                      retrieval_base: torch.Tensor, logp_edges: torch.Tensor, depth_edges: torch.Tensor,
-                      match_edges: torch.Tensor, ring: Optional[torch.Tensor], ring_tag: Optional[torch.Tensor],
-                      ring_table: Optional[torch.Tensor], ring_total: Optional[torch.Tensor],
-                      ring_lengths: Optional[torch.Tensor], ring_pow_r: Optional[torch.Tensor],
-                      ring_pow_m: Optional[torch.Tensor], match_lengths: list[int], depth: int,
-                      lookup_max_match: int, per_mode: int, outputs_greedy: bool, outputs_sampled: bool) -> _Out:
+def chain_part_triton(win: Windows, groups: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                      layout: RetrievalBins, index: Optional[RingView], opts: ChainOptions) -> _Out:
     """`chain_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``). Same arguments and results.
 
     Raises:
         RuntimeError: Triton is not installed. ValueError: both sources off.
     """
+    hist, count = win
+    est_table, scale, under = prices
+    retrieval_base, logp_edges, depth_edges, match_edges, per_mode = layout
+    ring, ring_tag, ring_table, ring_total, ring_lengths, ring_pow_r, ring_pow_m, match_lengths = (
+        index if index is not None else (None,) * 7 + ([],))
+    depth, lookup_max_match, outputs_greedy, outputs_sampled = opts
     if triton is None:
         raise RuntimeError("graft chain_part: Triton is not installed")
     lookup, outputs = lookup_max_match > 0, ring is not None
@@ -351,49 +339,16 @@ def chain_part_triton(hist: torch.Tensor, count: torch.Tensor, groups: torch.Ten
     return tokens, parents, est, valid, bins, member
 
 
-@torch.library.custom_op("graft::chain_part", mutates_args=())
-def _chain_part_op(hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-                   est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                   retrieval_base: torch.Tensor, logp_edges: torch.Tensor, depth_edges: torch.Tensor,
-                   match_edges: torch.Tensor, ring: Optional[torch.Tensor], ring_tag: Optional[torch.Tensor],
-                   ring_table: Optional[torch.Tensor], ring_total: Optional[torch.Tensor],
-                   ring_lengths: Optional[torch.Tensor], ring_pow_r: Optional[torch.Tensor],
-                   ring_pow_m: Optional[torch.Tensor], match_lengths: list[int], depth: int,
-                   lookup_max_match: int, per_mode: int, outputs_greedy: bool, outputs_sampled: bool) -> _Out:
-    return chain_part_reference(hist, count, groups, sampled, est_table, scale, under, retrieval_base, logp_edges,
-                                depth_edges, match_edges, ring, ring_tag, ring_table, ring_total, ring_lengths,
-                                ring_pow_r, ring_pow_m, match_lengths, depth, lookup_max_match, per_mode,
-                                outputs_greedy, outputs_sampled)
+def _chain_part_fake(win: Windows, groups: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                     layout: RetrievalBins, index: Optional[RingView], opts: ChainOptions) -> _Out:
+    b = win.hist.shape[0]
+    width = (int(opts.lookup_max_match > 0) + CHAINS * int(index is not None)) * opts.depth
+    e = win.hist.new_empty((b, width), dtype=torch.int64)
+    return (e, e.clone(), win.hist.new_empty((b, width), dtype=torch.float32),
+            win.hist.new_empty((b, width), dtype=torch.bool), e.clone(), e.clone())
 
 
-@_chain_part_op.register_fake
-def _(hist, count, groups, sampled, est_table, scale, under, retrieval_base, logp_edges, depth_edges, match_edges,
-      ring, ring_tag, ring_table, ring_total, ring_lengths, ring_pow_r, ring_pow_m, match_lengths, depth,
-      lookup_max_match, per_mode, outputs_greedy, outputs_sampled):
-    b = hist.shape[0]
-    width = (int(lookup_max_match > 0) + CHAINS * int(ring is not None)) * depth
-    e = hist.new_empty((b, width), dtype=torch.int64)
-    return (e, e.clone(), hist.new_empty((b, width), dtype=torch.float32),
-            hist.new_empty((b, width), dtype=torch.bool), e.clone(), e.clone())
-
-
-if triton is not None:
-    _chain_part_op.register_kernel("cuda")(chain_part_triton)
-
-
-def chain_part(hist: torch.Tensor, count: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor,
-               est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-               retrieval_base: torch.Tensor, logp_edges: torch.Tensor, depth_edges: torch.Tensor,
-               match_edges: torch.Tensor, ring: Optional[torch.Tensor], ring_tag: Optional[torch.Tensor],
-               ring_table: Optional[torch.Tensor], ring_total: Optional[torch.Tensor],
-               ring_lengths: Optional[torch.Tensor], ring_pow_r: Optional[torch.Tensor],
-               ring_pow_m: Optional[torch.Tensor], match_lengths: list[int], depth: int,
-               lookup_max_match: int, per_mode: int, outputs_greedy: bool, outputs_sampled: bool) -> _Out:
-    """`chain_part_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    args = (hist, count, groups, sampled, est_table, scale, under, retrieval_base, logp_edges, depth_edges,
-            match_edges, ring, ring_tag, ring_table, ring_total, ring_lengths, ring_pow_r, ring_pow_m,
-            list(match_lengths), depth, lookup_max_match, per_mode, outputs_greedy, outputs_sampled)
-    if fused_kernels_for(hist):
-        return torch.ops.graft.chain_part(*args)
-    return chain_part_reference(*args)
+#: ``graft::chain_part``: `chain_part_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+chain_part = fused_op("chain_part", chain_part_reference, _chain_part_fake,
+                      chain_part_triton if triton is not None else None)

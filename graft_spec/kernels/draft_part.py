@@ -5,7 +5,7 @@ estimate from the table; its rank key is the minimum estimate along its path (so
 the ranking is ancestor-closed, ties to the lower index); the N - 1 best are kept in index order
 under the round's root (step.py ``GraftStep._draft_part``).
 
-Reference: `draft_part_reference` (torch, ~100 ops). Fused: `_draft_kernel`, one Triton program per
+Reference: `draft_part_reference` (torch). Fused: `_draft_kernel`, one Triton program per
 request: `path_min` by the reference's pointer jumping through a scratch row, the top N - 1 by
 counting the candidates with a larger `tree.order_key` (tiles of the row against chunks of it),
 compaction by a cumulative sum. Minima, counts and gathers are exact, so the two agree bit for
@@ -20,12 +20,16 @@ by separate ops); only the log-probabilities come in converted (``torch.log`` in
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
+from ..numerics.bins import draft_bin_ids
 from ..tree import order_key, path_min, pointer_rounds, top_mask
 from .common import row_arg
-from .layout import fused_kernels_for, triton
+from .layout import triton
+from .registry import fused_op
+from .views import DraftBins, DraftBlock, DraftOptions
 
 if triton is not None:
     import triton.language as tl
@@ -45,29 +49,28 @@ __all__ = ["draft_part", "draft_part_reference", "draft_part_triton", "dense_lin
            "dense_draft_part_reference", "dense_draft_part_triton"]
 
 
-def draft_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
-                         roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, edges: torch.Tensor,
-                         pool: int, draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
-                         ) -> tuple[torch.Tensor, ...]:
+_Out = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def draft_part_reference(draft: DraftBlock, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
+                         opts: DraftOptions) -> _Out:
     """The rooted draft block of a round.
 
     Args:
-        tokens, parents, logq, depth: the draft's candidates `DraftCandidates` ``[B, S]`` (parents
-            -1 = child of the root, else an index below the node's own; logq ``float32``).
+        draft: the draft's candidates (`DraftBlock` ``[B, S]``; parents -1 = child of the root, else
+            an index below the node's own).
         roots: ``int64[B]``; sampled: ``bool[B]`` (the sampled mode's bins).
-        est_table: ``float32[size + 1]`` the calibrator's table; edges: ``float32[Q - 1]`` the
-            probability bins' edges, ascending (`calibration.LOGP_EDGES` reversed).
-        pool: N, the block's width bound (root + N - 1 candidates); draft_depth, num_q, per_mode:
-            the bin layout (`BinLayout`); draft_nodes: False = no candidate is valid.
-        by_logq: rank by ``logq`` (the paper's checkpoints) instead of the estimate.
+        layout: the calibrator's `DraftBins` (its table and the probability edges, ascending).
+        opts: `DraftOptions` (``pool`` N: root + N - 1 candidates at most).
     Returns:
         ``(tokens int64, parents int64, est float32, valid bool, bins int64, logq float32)``, each
         ``[B, 1 + min(N - 1, S)]``: the root at 0 (parent -1, estimate 1, bin -1, logq 0), then the
         kept candidates in index order (parents re-pointed; invalid ones estimate 0, bin -1).
     Source: step.py ``GraftStep._draft_part``; calibration.py ``Calibrator.draft_bins``.
     """
-    from ..calibration import draft_bin_ids
-
+    tokens, parents, logq, depth = draft
+    est_table, edges, draft_depth, num_q, per_mode = layout
+    pool, draft_nodes, by_logq = opts
     b, s = tokens.shape
     dev = tokens.device
     drafted = torch.isfinite(logq) & (logq > -60.0)
@@ -135,15 +138,13 @@ def dense_links(parent_list: torch.Tensor, topk: int, s: int) -> tuple[torch.Ten
 
 
 def dense_draft_part_reference(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch.Tensor, topk: int,
-                               roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor,
-                               edges: torch.Tensor, pool: int, draft_depth: int, num_q: int, per_mode: int,
-                               draft_nodes: bool, by_logq: bool) -> tuple[torch.Tensor, ...]:
+                               roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins, opts: DraftOptions
+                               ) -> _Out:
     """`draft_part_reference` of a dense EAGLE tree: ``tokens`` / ``logq`` ``[B, S]``, the links from
     ``parent_list`` ``int[B, W]`` and ``topk`` (`dense_links`); the other arguments and the results
     as there."""
     parents, depth = dense_links(parent_list, topk, tokens.shape[1])
-    return draft_part_reference(tokens.to(torch.int64), parents, logq, depth, roots, sampled, est_table, edges, pool,
-                                draft_depth, num_q, per_mode, draft_nodes, by_logq)
+    return draft_part_reference(DraftBlock(tokens.to(torch.int64), parents, logq, depth), roots, sampled, layout, opts)
 
 
 if triton is not None:
@@ -237,21 +238,19 @@ if triton is not None:
         tl.store(o_logq + out, tl.where(first, 0.0, lq), mask=m)
 
 
-def draft_part_triton(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool: int, draft_depth: int,
-                      num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool) -> tuple[torch.Tensor, ...]:
+def draft_part_triton(draft: DraftBlock, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
+                      opts: DraftOptions) -> _Out:
     """`draft_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``). Same arguments and results.
 
     Raises:
         RuntimeError: Triton is not installed.
     """
-    return _launch(tokens, parents, logq, depth, 0, roots, sampled, est_table, edges, pool, draft_depth, num_q,
-                   per_mode, draft_nodes, by_logq)
+    return _launch(draft.tokens, draft.parents, draft.logq, draft.depth, 0, roots, sampled, layout, opts)
 
 
-def dense_draft_part_triton(tokens, parent_list, logq, topk: int, roots, sampled, est_table, edges, pool: int,
-                            draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
-                            ) -> tuple[torch.Tensor, ...]:
+def dense_draft_part_triton(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch.Tensor, topk: int,
+                            roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins, opts: DraftOptions) -> _Out:
     """`dense_draft_part_reference` as one Triton launch (the links derived in the kernel). Same
     arguments and results.
 
@@ -259,14 +258,15 @@ def dense_draft_part_triton(tokens, parent_list, logq, topk: int, roots, sampled
         RuntimeError: Triton is not installed. ValueError: as `dense_links`.
     """
     _check_dense(parent_list, topk, tokens.shape[1])
-    return _launch(tokens, parent_list, logq, None, topk, roots, sampled, est_table, edges, pool, draft_depth,
-                   num_q, per_mode, draft_nodes, by_logq)
+    return _launch(tokens, parent_list, logq, None, topk, roots, sampled, layout, opts)
 
 
-def _launch(tokens, links, logq, depth, topk: int, roots, sampled, est_table, edges, pool: int, draft_depth: int,
-            num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool) -> tuple[torch.Tensor, ...]:
+def _launch(tokens: torch.Tensor, links: torch.Tensor, logq: torch.Tensor, depth: Optional[torch.Tensor], topk: int,
+            roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins, opts: DraftOptions) -> _Out:
     """One `_draft_kernel` launch: ``links`` = per-candidate parents with ``depth`` (``topk`` 0), or a
     dense tree's ``parent_list`` (``topk`` > 0, ``depth`` None)."""
+    est_table, edges, draft_depth, num_q, per_mode = layout
+    pool, draft_nodes, by_logq = opts
     if triton is None:
         raise RuntimeError("graft draft_part: Triton is not installed")
     b, s = tokens.shape
@@ -294,16 +294,17 @@ def _launch(tokens, links, logq, depth, topk: int, roots, sampled, est_table, ed
     return o_tok, o_par, o_est, o_valid, o_bins, o_logq
 
 
-@torch.library.custom_op("graft::draft_part", mutates_args=())
-def _draft_op(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
-              roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, edges: torch.Tensor, pool: int,
-              draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return draft_part_reference(tokens, parents, logq, depth, roots, sampled, est_table, edges, pool, draft_depth,
-                                num_q, per_mode, draft_nodes, by_logq)
+def _draft_part_fake(draft: DraftBlock, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
+                     opts: DraftOptions) -> _Out:
+    return _fake_outputs(draft.tokens, opts.pool)
 
 
-def _fake_outputs(tokens: torch.Tensor, pool: int) -> tuple[torch.Tensor, ...]:
+def _dense_draft_part_fake(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch.Tensor, topk: int,
+                           roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins, opts: DraftOptions) -> _Out:
+    return _fake_outputs(tokens, opts.pool)
+
+
+def _fake_outputs(tokens: torch.Tensor, pool: int) -> _Out:
     """The results' shapes and dtypes (the ops' fake implementations)."""
     b, s = tokens.shape
     w = 1 + min(pool - 1, s)
@@ -312,31 +313,10 @@ def _fake_outputs(tokens: torch.Tensor, pool: int) -> tuple[torch.Tensor, ...]:
     return i, i.clone(), f, tokens.new_empty((b, w), dtype=torch.bool), i.clone(), f.clone()
 
 
-def draft_part(*args) -> tuple[torch.Tensor, ...]:
-    """`draft_part_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    return _run(torch.ops.graft.draft_part, draft_part_reference, args)
-
-
-@torch.library.custom_op("graft::dense_draft_part", mutates_args=())
-def _dense_draft_op(tokens: torch.Tensor, parent_list: torch.Tensor, logq: torch.Tensor, topk: int,
-                    roots: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, edges: torch.Tensor,
-                    pool: int, draft_depth: int, num_q: int, per_mode: int, draft_nodes: bool, by_logq: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return dense_draft_part_reference(tokens, parent_list, logq, topk, roots, sampled, est_table, edges, pool,
-                                      draft_depth, num_q, per_mode, draft_nodes, by_logq)
-
-
-for _op, _kernel in ((_draft_op, draft_part_triton), (_dense_draft_op, dense_draft_part_triton)):
-    _op.register_fake(lambda tokens, *rest: _fake_outputs(tokens, rest[7]))      # pool: argument 8 of both
-    if triton is not None:
-        _op.register_kernel("cuda")(_kernel)
-
-
-def dense_draft_part(*args) -> tuple[torch.Tensor, ...]:
-    """`dense_draft_part_reference`'s contract, dispatched as `draft_part`."""
-    return _run(torch.ops.graft.dense_draft_part, dense_draft_part_reference, args)
-
-
-def _run(op, reference, args: tuple) -> tuple[torch.Tensor, ...]:
-    return op(*args) if fused_kernels_for(args[0]) else reference(*args)
+#: ``graft::draft_part``: `draft_part_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+draft_part = fused_op("draft_part", draft_part_reference, _draft_part_fake,
+                      draft_part_triton if triton is not None else None)
+#: ``graft::dense_draft_part``: `dense_draft_part_reference`'s contract, dispatched as `draft_part`.
+dense_draft_part = fused_op("dense_draft_part", dense_draft_part_reference, _dense_draft_part_fake,
+                            dense_draft_part_triton if triton is not None else None)

@@ -2,7 +2,7 @@
 
 Each row reads its slot's window per member source (trials, sum of estimates, hits) and turns it
 into `calibration.linear_correction`'s ``(scale, under)``; members outside the corrected set get the
-identity. Reference: `factors_reference` (torch, ~25 ops). Fused: `_factors_kernel`, one Triton
+identity. Reference: `factors_reference` (torch). Fused: `_factors_kernel`, one Triton
 program per request doing the same float operations in the same order, compiled without fused
 multiply-add, so the two agree bit for bit. The op ``graft::request_factors`` has the reference as
 its CPU implementation and the kernel as its CUDA implementation; `request_factors` dispatches like
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import correction
 from .layout import fused_kernels_for, triton
 
 if triton is not None:
@@ -27,10 +28,8 @@ def factors_reference(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Te
     """``(scale float32[B, M], under bool[B, M])`` of the windows ``recent`` ``float32[slots, M, 3]``
     of slots ``slot_ids`` ``int64[B]``; members where ``on`` ``bool[M]`` is False get (1, False).
     Source: request_correction.py ``RequestCorrection.factors``."""
-    from ..calibration import linear_correction
-
     t, e, h = recent.index_select(0, slot_ids.to(torch.int64)).unbind(2)
-    scale, under = linear_correction(t, e, h, pseudo_trials)
+    scale, under = correction.linear_correction(t, e, h, pseudo_trials)
     return torch.where(on, scale, 1.0), under & on
 
 

@@ -1,8 +1,8 @@
 """The host proposals' candidates of a round in one kernel: re-anchoring, calibration bins, price.
 
-Reference: `host_part_reference`, the torch code of ``HostSource`` (graft_spec/device_sources.py, step.py:
-`reanchor`, ``Calibrator.retrieval_bins`` and ``RequestCorrection.price``, ~60 small ops over
-``[B, M]`` candidates) as a function of tensors and ints. Fused: `_host_part_kernel`, one Triton
+Reference: `host_part_reference`, the torch code of ``HostProposalSource`` (graft_spec/device_sources.py;
+step.py `reanchor`, ``Calibrator.retrieval_bins`` and `numerics.correction.price` over ``[B, M]``
+candidates) as a function of tensors and views. Fused: `_host_part_kernel`, one Triton
 program per request holding the row's M candidates as vectors:
 
 - the reference's pointer jumping visits positions 0 .. 2**R - 1 of every root path (R =
@@ -29,10 +29,14 @@ import math
 
 import torch
 
+from ..numerics.bins import retrieval_bin_ids
+from ..numerics.correction import price
 from ..sources import SOURCE_OUTPUTS, SOURCE_SUFFIX
 from ..tree import node_depths, path_min, pointer_jumps, pointer_rounds
 from .common import int8_arg, row_arg
-from .layout import fused_kernels_for, triton
+from .layout import triton
+from .registry import fused_op
+from .views import HostBlock, Prices, RetrievalBins, Windows
 
 if triton is not None:
     import triton.language as tl
@@ -77,51 +81,35 @@ def reanchor_arrays(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Ten
     return new_par, depth - gap[:, None], lp, match + gap[:, None], valid
 
 
-def host_part_reference(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
-                        member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
-                        seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
-                        under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
-                        depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The host proposals re-anchored at the device's root and priced: ``HostSource.propose``
+def host_part_reference(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                        layout: RetrievalBins) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host proposals re-anchored at the device's root and priced: ``HostProposalSource.propose``
     (graft_spec/device_sources.py; step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and
-    ``RequestCorrection.price``).
+    `numerics.correction.price`).
 
     Args:
-        tokens, parents, logp, match, member: the `HostCandidates` fields, ``[B, M]``: ``int64``
-            tokens; ``int64`` parents (< 0 = child of the anchor, else an index < M; parent < own
-            index in a written row); ``float32`` path log-probabilities; ``int64`` match lengths;
-            ``int64`` members (-1 = empty).
-        anchor_len: ``int64[B]`` context tokens the host had seen.
-        hist, count: ``int64[B, L]`` (L >= 1) / ``int64[B]`` the slots' right-aligned token windows,
-            ending with the root (history.py).
+        host: the `HostCandidates` fields (`HostBlock`, ``[B, M]``): parents < 0 = child of the
+            anchor, else an index < M (parent < own index in a written row); members -1 = empty;
+            ``anchor_len`` context tokens the host had seen.
+        win: the slots' right-aligned token windows ending with the root (`Windows`, L >= 1).
         seq_lens: ``int64[B]`` committed tokens before the root.
         sampled: ``bool[B]`` rows verified by sampling.
-        est_table: ``float32[S + 1]`` the estimate table (``Calibrator.table``).
-        scale, under: ``float32[B, NUM_MEMBERS]`` / ``bool[B, NUM_MEMBERS]`` the rows' per-request
-            correction (``RequestCorrection.factors``); ones / False give exactly the estimates of no
-            correction (``x * 1.0 == x``).
-        retrieval_base: ``int64[NUM_MEMBERS]`` first bin of each retrieval member's block
-            (``Calibrator._retrieval_base``).
-        logp_edges: ``float32[Q - 1]`` ascending (``Calibrator.logp_edges``); depth_edges:
-            ``int64[D - 1]``; match_edges: ``int64[K - 1]`` (``Calibrator.depth_edges`` /
-            ``match_edges``).
-        per_mode: bins of one mode (``BinLayout.per_mode``): the sampled rows' offset.
+        prices: the round's `Prices`; ones / False give exactly the estimates of no correction
+            (``x * 1.0 == x``).
+        layout: the calibrator's `RetrievalBins`.
     Returns:
         ``(tokens, parents, est, valid, bins, member)`` all ``[B, M]``: the input tokens; ``int64``
         parents under the new root (-1 = child of the root); ``float32`` estimates (0 where invalid);
         ``bool`` valid; ``int64`` calibration bins (-1 where invalid); the input members.
     """
-    from ..calibration import retrieval_bin_ids
-    from ..request_correction import RequestCorrection
-
+    tokens, parents, logp, match, member, anchor_len = host
+    est_table, scale, under = prices
     new_par, rel_depth, lp, rel_match, valid = reanchor_arrays(tokens, parents, logp, match, member, anchor_len,
-                                                               hist, count, seq_lens)
-    bins = retrieval_bin_ids(member, rel_depth.clamp(min=1), lp, rel_match, sampled, retrieval_base, logp_edges,
-                             depth_edges, match_edges, per_mode)
+                                                               win.hist, win.count, seq_lens)
+    bins = retrieval_bin_ids(member, rel_depth.clamp(min=1), lp, rel_match, sampled, *layout)
     # the per-request correction
     mc = member.clamp(0, scale.shape[1] - 1)
-    est = torch.where(valid, RequestCorrection.price(est_table[bins], mc, (scale, under)), 0.0)
+    est = torch.where(valid, price(est_table[bins], mc, (scale, under)), 0.0)
     return tokens, new_par, est, valid, torch.where(valid, bins, -1), member
 
 
@@ -222,9 +210,8 @@ if triton is not None:
         tl.store(bins_out + row + i, tl.where(valid, bins, -1), mask=live)
 
 
-def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table,
-                     scale, under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode: int
-                     ) -> tuple[torch.Tensor, ...]:
+def host_part_triton(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                     layout: RetrievalBins) -> tuple[torch.Tensor, ...]:
     """`host_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``): ``(tokens, parents, est, valid, bins, member)``, the tokens and members
     copied out by the kernel (an op may not return its inputs). The candidate fields are read in
@@ -234,6 +221,10 @@ def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, cou
     Raises:
         RuntimeError: Triton is not installed.
     """
+    tokens, parents, logp, match, member, anchor_len = host
+    hist, count = win
+    est_table, scale, under = prices
+    retrieval_base, logp_edges, depth_edges, match_edges, per_mode = layout
     if triton is None:
         raise RuntimeError("graft host_part: Triton is not installed")
     b, m = tokens.shape
@@ -262,42 +253,21 @@ def host_part_triton(tokens, parents, logp, match, member, anchor_len, hist, cou
     return out_tok, new_par, est, valid, bins, out_member
 
 
-@torch.library.custom_op("graft::host_part", mutates_args=())
-def _host_part_op(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
-                  member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
-                  seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
-                  under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor,
-                  depth_edges: torch.Tensor, match_edges: torch.Tensor, per_mode: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = host_part_reference(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled,
-                              est_table, scale, under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
+def _host_part_cpu(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                   layout: RetrievalBins) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = host_part_reference(host, win, seq_lens, sampled, prices, layout)
     return out[0].clone(), out[1], out[2], out[3], out[4], out[5].clone()   # an op returns no input
 
 
-@_host_part_op.register_fake
-def _(tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale, under,
-      retrieval_base, logp_edges, depth_edges, match_edges, per_mode):
-    b, m = tokens.shape
-    i64 = lambda: tokens.new_empty((b, m), dtype=torch.int64)  # noqa: E731
-    return (i64(), i64(), tokens.new_empty((b, m), dtype=torch.float32), tokens.new_empty((b, m), dtype=torch.bool),
-            i64(), i64())
+def _host_part_fake(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
+                    layout: RetrievalBins) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, m = host.tokens.shape
+    i64 = lambda: host.tokens.new_empty((b, m), dtype=torch.int64)  # noqa: E731
+    return (i64(), i64(), host.tokens.new_empty((b, m), dtype=torch.float32),
+            host.tokens.new_empty((b, m), dtype=torch.bool), i64(), i64())
 
 
-if triton is not None:
-    _host_part_op.register_kernel("cuda")(host_part_triton)
-
-
-def host_part(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
-              member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
-              seq_lens: torch.Tensor, sampled: torch.Tensor, est_table: torch.Tensor, scale: torch.Tensor,
-              under: torch.Tensor, retrieval_base: torch.Tensor, logp_edges: torch.Tensor, depth_edges: torch.Tensor,
-              match_edges: torch.Tensor, per_mode: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`host_part_reference`'s contract (same arguments and results): one fused launch
-    (``graft::host_part``) on a CUDA device or inside `fused_ops_everywhere`, the torch reference
-    elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    args = (tokens, parents, logp, match, member, anchor_len, hist, count, seq_lens, sampled, est_table, scale,
-            under, retrieval_base, logp_edges, depth_edges, match_edges, per_mode)
-    if fused_kernels_for(tokens):
-        return torch.ops.graft.host_part(*args)
-    return host_part_reference(*args)
+#: ``graft::host_part``: `host_part_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+host_part = fused_op("host_part", host_part_reference, _host_part_fake,
+                     host_part_triton if triton is not None else None, cpu=_host_part_cpu)

@@ -8,7 +8,7 @@ trial or hit: every order of addition gives the same float) or int64 fixed-point
 (calibration.py `FIXED_ONE`: exact in every order), so the kernel's atomics and the reference's
 sequential scatters agree bit for bit, and so do the ranks of a tensor-parallel group.
 
-Reference: `observe_rows_reference` (torch, ~100 small ops). Fused: `_observe_kernel`, one Triton
+Reference: `observe_rows_reference` (torch). Fused: `_observe_kernel`, one Triton
 program per request. The op ``graft::observe_rows`` has the reference as its CPU implementation and
 the kernel as its CUDA implementation; `observe_rows` dispatches like `tree_layout` (layout.py).
 Halving of the counts belongs to the table refresh (refresh.py), which runs after every observe.
@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics.correction import window_update
+from ..numerics.credit import credit_counts, round_metrics
+from ..numerics.rows import append_rows
 from .common import int8_arg
-from .layout import fused_kernels_for, triton
+from .layout import triton
+from .registry import fused_op
+from .views import CalibrationState, Commit, ObserveOptions, Prices, RoundOutcome, Windows
 
 if triton is not None:
     import triton.language as tl
@@ -47,42 +52,35 @@ def expected_lengths(gain: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return 1.0 + torch.where(cols >= 0, gain.float().gather(1, cols.clamp(min=0).expand(b, -1)), 0.0)
 
 
-def observe_rows_reference(bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor, source: torch.Tensor,
-                           estimates: torch.Tensor, base: torch.Tensor, group: torch.Tensor,
-                           scale: torch.Tensor, under: torch.Tensor, gain: torch.Tensor, gain_cols: torch.Tensor,
-                           slot_ids: torch.Tensor, committed: torch.Tensor, accept_len: torch.Tensor,
-                           trials: torch.Tensor, hits: torch.Tensor, src_recent: torch.Tensor,
-                           rc_recent: torch.Tensor, hist_tokens: torch.Tensor, hist_count: torch.Tensor,
-                           source_window: bool, rc_window: float, max_depth: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def observe_rows_reference(outcome: RoundOutcome, prices: Prices, cal: CalibrationState, gain: torch.Tensor,
+                           gain_cols: torch.Tensor, commit: Commit, rc_recent: torch.Tensor, history: Windows,
+                           opts: ObserveOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Credit one verified round (in place) and return what the host reads of it.
 
     Args:
-        bins: ``int64[B, N, M]`` calibration bin of every member of every node (-1: none).
-        on_path: ``bool[B, N]`` accepted nodes; depth: ``int64[B, N]``; source: ``int64[B, N]``.
-        estimates: ``float32[S + 1]`` the table the round was priced with; base: ``float32[S + 1]``
-            the bin estimates behind it (`Calibrator`); group: ``int64[S + 1]`` each bin's row of
-            ``src_recent``.
-        scale, under: ``float32[B, M]`` / ``bool[B, M]`` the per-request correction the round was
-            priced with (identity: 1 / False); only the metrics read them.
+        outcome: the verified tree (`RoundOutcome`).
+        prices: the `Prices` the round was priced with (``table`` the estimates; only the metrics
+            read the correction).
+        cal: the calibrator's tables (`CalibrationState`): ``trials``, ``hits`` updated (the dump
+            bin S stays 0); ``src_recent`` updated when ``opts.source_window``; ``base`` and
+            ``group`` read.
         gain: ``float32[B, G]`` the round's gain curve; gain_cols: ``int64[K]`` (`gain_columns`).
-        slot_ids: ``int64[B]`` distinct engine slots; committed: ``int64[B, W]``; accept_len: ``int64[B]``.
-        trials, hits: ``float32[S + 1]`` counts (updated; the dump bin S stays 0).
-        src_recent: ``int64[2M + 1, 3]`` the source window, fixed point (updated when
-            ``source_window``).
-        rc_recent: ``float32[slots, M, 3]`` the request windows (updated when ``rc_window > 0``).
-        hist_tokens, hist_count: ``int64[slots, L]`` / ``int64[slots]`` the token history (updated).
-        max_depth: last row of the depth metrics.
+        commit: the round's committed tokens (`Commit`).
+        rc_recent: ``float32[slots, M, 3]`` the request windows (updated when ``opts.rc_window > 0``).
+        history: the token history of every slot (`TokenHistory.windows`; updated).
+        opts: `ObserveOptions`.
     Returns:
         ``(sources int64[B, N - 1], row_members float64[B, M, 3], row_depths float64[B, max_depth + 1, 2],
         expected float32[B, K])``: accepted non-root nodes' sources in path order (-1 after the path);
         per row and member (trials, sum of the estimates as priced, hits); per row and depth
         (verified, accepted) nodes (row 0 is 0); 1 + the gain at each column.
     """
-    from ..calibration import credit_counts, round_metrics
-    from ..history import append_rows
-    from ..request_correction import window_update
-
+    bins, on_path, depth, source = outcome
+    estimates, scale, under = prices
+    trials, hits, src_recent, group, base = cal.trials, cal.hits, cal.src_recent, cal.group, cal.base
+    slot_ids, committed, accept_len = commit
+    hist_tokens, hist_count = history
+    source_window, rc_window, max_depth = opts
     credit_counts(trials, hits, src_recent if source_window else None, group, base, bins, on_path)
     row_members, row_depths = round_metrics(bins, on_path, depth, estimates, scale, under, max_depth)
     if rc_window > 0:
@@ -198,15 +196,21 @@ if triton is not None:
         tl.store(expected_ptr + b * K + q, 1.0 + tl.where(col >= 0, g, 0.0), mask=q < K)
 
 
-def observe_rows_triton(bins, on_path, depth, source, estimates, base, group, scale, under, gain, gain_cols,
-                        slot_ids, committed, accept_len, trials, hits, src_recent, rc_recent, hist_tokens, hist_count,
-                        source_window: bool, rc_window: float, max_depth: int):
+def observe_rows_triton(outcome: RoundOutcome, prices: Prices, cal: CalibrationState, gain: torch.Tensor,
+                        gain_cols: torch.Tensor, commit: Commit, rc_recent: torch.Tensor, history: Windows,
+                        opts: ObserveOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`observe_rows_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``). Same arguments, effects and results.
 
     Raises:
         RuntimeError: Triton is not installed.
     """
+    bins, on_path, depth, source = outcome
+    estimates, scale, under = prices
+    trials, hits, src_recent, group, base = cal.trials, cal.hits, cal.src_recent, cal.group, cal.base
+    slot_ids, committed, accept_len = commit
+    hist_tokens, hist_count = history
+    source_window, rc_window, max_depth = opts
     if triton is None:
         raise RuntimeError("graft observe_rows: Triton is not installed")
     b, n, m = bins.shape
@@ -233,38 +237,19 @@ def observe_rows_triton(bins, on_path, depth, source, estimates, base, group, sc
     return sources, members, depths, expected
 
 
-_MUTATED = ["trials", "hits", "src_recent", "rc_recent", "hist_tokens", "hist_count"]
-
-
-@torch.library.custom_op("graft::observe_rows", mutates_args=_MUTATED)
-def _observe_op(bins: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor, source: torch.Tensor,
-                estimates: torch.Tensor, base: torch.Tensor, group: torch.Tensor, scale: torch.Tensor,
-                under: torch.Tensor, gain: torch.Tensor, gain_cols: torch.Tensor, slot_ids: torch.Tensor,
-                committed: torch.Tensor, accept_len: torch.Tensor, trials: torch.Tensor, hits: torch.Tensor,
-                src_recent: torch.Tensor, rc_recent: torch.Tensor, hist_tokens: torch.Tensor,
-                hist_count: torch.Tensor, source_window: bool, rc_window: float, max_depth: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return observe_rows_reference(bins, on_path, depth, source, estimates, base, group, scale, under, gain,
-                                  gain_cols, slot_ids, committed, accept_len, trials, hits, src_recent, rc_recent,
-                                  hist_tokens, hist_count, source_window, rc_window, max_depth)
-
-
-@_observe_op.register_fake
-def _(bins, on_path, depth, source, estimates, base, group, scale, under, gain, gain_cols, slot_ids, committed,
-      accept_len, trials, hits, src_recent, rc_recent, hist_tokens, hist_count, source_window, rc_window, max_depth):
-    b, n, m = bins.shape
+def _observe_fake(outcome: RoundOutcome, prices: Prices, cal: CalibrationState, gain: torch.Tensor,
+                  gain_cols: torch.Tensor, commit: Commit, rc_recent: torch.Tensor, history: Windows,
+                  opts: ObserveOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, n, m = outcome.bins.shape
+    bins = outcome.bins
     return (bins.new_empty((b, max(n - 1, 0))), bins.new_empty((b, m, 3), dtype=torch.float64),
-            bins.new_empty((b, max_depth + 1, 2), dtype=torch.float64),
+            bins.new_empty((b, opts.max_depth + 1, 2), dtype=torch.float64),
             bins.new_empty((b, gain_cols.numel()), dtype=torch.float32))
 
 
-if triton is not None:
-    _observe_op.register_kernel("cuda")(observe_rows_triton)
-
-
-def observe_rows(*args, **kwargs):
-    """`observe_rows_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(args[0]):
-        return torch.ops.graft.observe_rows(*args, **kwargs)
-    return observe_rows_reference(*args, **kwargs)
+#: ``graft::observe_rows``: `observe_rows_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+observe_rows = fused_op("observe_rows", observe_rows_reference, _observe_fake,
+                        observe_rows_triton if triton is not None else None,
+                        mutates=("cal_trials", "cal_hits", "cal_src_recent", "rc_recent", "history_hist",
+                                 "history_count"))

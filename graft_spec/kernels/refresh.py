@@ -5,7 +5,7 @@ memory and of the source window past its width, recomputes every bin's posterior
 agreement bins' prior by their block's record, chains the retrieval bins' priors along depth, and
 writes the bin estimates and the source-corrected table into their persistent buffers.
 
-Reference: `refresh_reference` (torch, ~60 ops). Fused: `_refresh_kernel`, one Triton program for
+Reference: `refresh_reference` (torch). Fused: `_refresh_kernel`, one Triton program for
 the whole table (a few thousand bins), phases separated by barriers; the chained prior's log-depth
 scan runs through a scratch buffer with the same operations in the same order, and the agreement
 block's sums are int64 fixed-point sums (calibration.py `FIXED_ONE`), so the two agree bit for bit
@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from .layout import fused_kernels_for, triton
+from ..numerics import correction, fixed
+from ..numerics.fixed import FIXED_ONE
+from .layout import triton
+from .registry import fused_op
+from .views import CalibrationState, RefreshIndex, RefreshOptions
 
 if triton is not None:
     import triton.language as tl
@@ -27,27 +31,22 @@ if triton is not None:
 __all__ = ["refresh_table", "refresh_reference", "refresh_triton"]
 
 
-def refresh_reference(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Tensor, src_recent: torch.Tensor,
-                      group: torch.Tensor, agree_idx: torch.Tensor, retr_idx: torch.Tensor, chain_weight: torch.Tensor,
-                      base: torch.Tensor, table: torch.Tensor, w: float, halve_at: float, source_window: float,
-                      pseudo_trials: float) -> None:
+def refresh_reference(cal: CalibrationState, index: RefreshIndex, opts: RefreshOptions) -> None:
     """Halve and re-estimate, in place.
 
     Args:
-        hits, trials: ``float32[S + 1]`` counts (halved where trials > ``halve_at``).
-        prior: ``float32[S + 1]``.
-        src_recent: ``int64[R, 3]`` the source window, fixed point (rows halved where their trials
-            exceed ``source_window``; ``source_window`` 0 = no source correction).
-        group: ``int64[S + 1]`` each bin's row of ``src_recent``.
-        agree_idx: ``int64[2, A]`` agreement bins per mode; retr_idx: ``int64[2, R', D, P]`` retrieval
-            bins per mode, member, depth bin and (probability, match) bin; chain_weight:
-            ``float32[D, 1]`` the chained prior's weight per depth bin (0 at the shallowest).
-        base, table: ``float32[S + 1]`` written: the bin estimates and the source-corrected table.
-        w: the prior's pseudo-trials; pseudo_trials: the source correction's.
+        cal: the calibrator's tables (`CalibrationState`): ``hits``, ``trials`` halved where trials
+            > ``halve_at``; ``src_recent`` rows halved where their trials exceed ``source_window``
+            (0 = no source correction); ``base`` and ``table`` written: the bin estimates and the
+            source-corrected table.
+        index: the bin groups (`RefreshIndex`).
+        opts: `RefreshOptions`: ``w`` the prior's pseudo-trials; ``pseudo_trials`` the source
+            correction's.
     Source: calibration.py (`Calibrator.refresh`, module docstring).
     """
-    from ..calibration import FIXED_ONE, apply_correction, from_fixed, linear_correction, to_fixed
-
+    hits, trials, prior, src_recent, group, base, table = cal
+    agree_idx, retr_idx, chain_weight = index
+    w, halve_at, source_window, pseudo_trials = opts
     half = torch.where(trials > halve_at, 0.5, 1.0)
     trials.mul_(half)
     hits.mul_(half)
@@ -56,8 +55,8 @@ def refresh_reference(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Ten
     est = (hits + w * prior) / (trials + w)
     # agreement bins: the prior scaled by the block's observed / expected hits (per mode)
     ah, at, ap = hits[agree_idx], trials[agree_idx], prior[agree_idx]
-    ratio = ((from_fixed(to_fixed(ah).sum(1, keepdim=True)) + 1.0)
-             / (from_fixed(to_fixed(at * ap).sum(1, keepdim=True)) + 1.0))
+    ratio = ((fixed.from_fixed(fixed.to_fixed(ah).sum(1, keepdim=True)) + 1.0)
+             / (fixed.from_fixed(fixed.to_fixed(at * ap).sum(1, keepdim=True)) + 1.0))
     est = est.index_copy(0, agree_idx.reshape(-1), ((ah + w * (ap * ratio).clamp(max=0.99)) / (at + w)).reshape(-1))
     # retrieval bins: depth bin d's estimate is a_d + b_d * (bin d-1's), composed by a log-depth scan
     den = trials[retr_idx] + w
@@ -74,8 +73,8 @@ def refresh_reference(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Ten
     est = torch.where(torch.arange(est.numel(), device=est.device) == est.numel() - 1, 0.0, est)
     base.copy_(est)
     if source_window > 0:
-        scale, under = linear_correction(*from_fixed(src_recent).unbind(1), pseudo_trials)
-        est = apply_correction(est, scale[group], under[group])
+        scale, under = correction.linear_correction(*fixed.from_fixed(src_recent).unbind(1), pseudo_trials)
+        est = correction.apply_correction(est, scale[group], under[group])
     table.copy_(est)
 
 
@@ -171,18 +170,18 @@ if triton is not None:
             tl.store(table_ptr + i, est, mask=live)
 
 
-def refresh_triton(hits, trials, prior, src_recent, group, agree_idx, retr_idx, chain_weight, base, table,
-                   w: float, halve_at: float, source_window: float, pseudo_trials: float) -> None:
+def refresh_triton(cal: CalibrationState, index: RefreshIndex, opts: RefreshOptions) -> None:
     """`refresh_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``). Same arguments and effects.
 
     Raises:
         RuntimeError: Triton is not installed.
     """
+    hits, trials, prior, src_recent, group, base, table = cal
+    agree_idx, retr_idx, chain_weight = index
+    w, halve_at, source_window, pseudo_trials = opts
     if triton is None:
         raise RuntimeError("graft refresh_table: Triton is not installed")
-    from ..calibration import FIXED_ONE
-
     _, rm, d, p = retr_idx.shape
     scratch = torch.empty(2 * d * p, dtype=torch.float32, device=hits.device)
     p2 = triton.next_power_of_2
@@ -195,28 +194,12 @@ def refresh_triton(hits, trials, prior, src_recent, group, agree_idx, retr_idx, 
                           enable_fp_fusion=False)
 
 
-@torch.library.custom_op("graft::refresh_table", mutates_args=["hits", "trials", "src_recent", "base", "table"])
-def _refresh_op(hits: torch.Tensor, trials: torch.Tensor, prior: torch.Tensor, src_recent: torch.Tensor,
-                group: torch.Tensor, agree_idx: torch.Tensor, retr_idx: torch.Tensor, chain_weight: torch.Tensor,
-                base: torch.Tensor, table: torch.Tensor, w: float, halve_at: float, source_window: float,
-                pseudo_trials: float) -> None:
-    refresh_reference(hits, trials, prior, src_recent, group, agree_idx, retr_idx, chain_weight, base, table, w,
-                      halve_at, source_window, pseudo_trials)
-
-
-@_refresh_op.register_fake
-def _(*args):
+def _refresh_fake(cal: CalibrationState, index: RefreshIndex, opts: RefreshOptions) -> None:
     return None
 
 
-if triton is not None:
-    _refresh_op.register_kernel("cuda")(refresh_triton)
-
-
-def refresh_table(*args) -> None:
-    """`refresh_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(args[0]):
-        torch.ops.graft.refresh_table(*args)
-    else:
-        refresh_reference(*args)
+#: ``graft::refresh_table``: `refresh_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+refresh_table = fused_op("refresh_table", refresh_reference, _refresh_fake,
+                         refresh_triton if triton is not None else None,
+                         mutates=("cal_hits", "cal_trials", "cal_src_recent", "cal_base", "cal_table"))

@@ -1,4 +1,4 @@
-"""A round's candidate blocks stacked into one ``[B, U]`` block in one kernel (candidates.py).
+"""A round's candidate blocks stacked into one ``[B, U]`` block in one kernel (`views.Candidates.stack`).
 
 The rooted draft block comes first, then every retrieved block with its parents re-pointed into
 the stack (-1, a child of the root, becomes 0); the selection priority is a block's key where it has

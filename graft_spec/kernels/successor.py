@@ -2,7 +2,7 @@
 
 Every verified non-padding node overwrites its token's row (in its isolation group) with the
 target's top-k after it; of several nodes with the same row, the one with the largest flat index
-wins. The reference (`successor_update_reference`, ~20 ops) finds the last writers with a stable sort
+wins. The reference (`successor_update_reference`) finds the last writers with a stable sort
 and writes them with ``index_copy_`` through a dump row; the kernel (`_successor_kernel`, one
 program per block of nodes) lets a node write when no later valid node has its row, so the writes
 are disjoint and the result does not depend on the device's order. The op

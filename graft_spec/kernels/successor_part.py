@@ -7,7 +7,7 @@ row). Every slot has its own calibration bin; its estimate goes through the row'
 correction of the successor member.
 
 Reference: `successor_part_reference`, the computation of ``SuccessorSource.propose`` (device_sources.py:
-`SuccessorTable.expand`, `Calibrator.successor_bins`, `RequestCorrection.price`) as a function of tensors
+`SuccessorTable.expand`, `Calibrator.successor_bins`, `numerics.correction.price`) as a function of tensors
 and ints, one masked gather per template depth. Fused: `_successor_part_kernel`, one Triton program
 per request: each slot walks its own path down from the root, level by level (for level j, its
 ancestor at depth j is found by walking up the template), so no slot waits for another. Tokens,
@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics.correction import price
 from ..sources import SOURCE_SUCCESSOR
 from .common import int8_arg
-from .layout import fused_kernels_for, triton
+from .layout import triton
+from .registry import fused_op
 from .successor import group_rows, table_rows
+from .views import Prices, SuccessorView
 
 if triton is not None:
     import triton.language as tl
@@ -64,38 +67,31 @@ def expand_template(roots: torch.Tensor, groups: "torch.Tensor | int", table: to
     return toks.clamp(min=0), toks >= 0
 
 
-def successor_part_reference(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor,
-                             t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
-                             est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                             rows: int, vocab: int, levels: int, bin_offset: int, per_mode: int) -> _Out:
+def successor_part_reference(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, succ: SuccessorView,
+                             prices: Prices, bin_offset: int, per_mode: int) -> _Out:
     """The successor template expanded from every root and priced (``SuccessorSource.propose``,
     device_sources.py, with `SuccessorTable.expand` of retrieval/successor.py, `Calibrator.successor_bins` and
-    `RequestCorrection.price` of calibration.py / request_correction.py).
+    `numerics.correction.price`).
 
     Args:
         roots: ``int64[B]`` root tokens; groups: ``int64[B]`` isolation group of each row;
         sampled: ``bool[B]`` rows verified by sampling (their own bins).
-        table: ``int32[G * (rows + 2), k]`` `SuccessorTable.table`.
-        t_parent, t_rank, t_depth: ``int64[T]`` the template (`SuccessorTable.t_parent` / ``t_rank`` /
-            ``t_depth``; parent slot -1 = the root, parents before children).
-        est_table: ``float32[S + 1]`` the calibrator's estimates (`Calibrator.table`).
-        scale, under: ``float32[B, NUM_MEMBERS]`` / ``bool[B, NUM_MEMBERS]`` the rows' per-request
-            correction (`RequestCorrection.factors`; the identity ``(1, False)`` prices as none).
-        rows, vocab: `SuccessorTable.rows` / ``vocab_size``.
-        levels: the template's deepest level (``max(t_depth)``).
+        succ: the table and its template (`SuccessorTable.view`; parent slot -1 = the root,
+            parents before children).
+        prices: the round's `Prices` (the identity correction ``(1, False)`` prices as none).
         bin_offset: ``Calibrator.layout.offset(SOURCE_SUCCESSOR)``; per_mode: ``layout.per_mode``.
     Returns:
         ``(tokens int64[B, T], parents int64[B, T], est float32[B, T], valid bool[B, T],
-        bins int64[B, T], member int64[B, T])``, a `Candidates` block (candidates.py): tokens 0 and
+        bins int64[B, T], member int64[B, T])``, a `Candidates` block (kernels/views.py): tokens 0 and
         est 0 where not valid, bins -1 where not valid, member ``SOURCE_SUCCESSOR``.
     """
-    from ..request_correction import RequestCorrection
-
+    table, t_parent, t_rank, t_depth, rows, vocab, levels = succ
+    est_table, scale, under = prices
     b, t = roots.shape[0], t_parent.shape[0]
     tokens, valid = expand_template(roots, groups.reshape(b, 1).to(torch.int64), table, t_parent, t_rank, t_depth,
                                     rows, vocab, levels)
     bins = (torch.arange(t, device=roots.device) + bin_offset)[None, :] + (sampled.to(torch.int64) * per_mode)[:, None]
-    est = torch.where(valid, RequestCorrection.price(est_table[bins], SOURCE_SUCCESSOR, (scale, under)), 0.0)
+    est = torch.where(valid, price(est_table[bins], SOURCE_SUCCESSOR, (scale, under)), 0.0)
     return (tokens, t_parent.expand(b, t).clone(), est, valid, torch.where(valid, bins, -1),
             torch.full_like(tokens, SOURCE_SUCCESSOR))
 
@@ -144,16 +140,16 @@ if triton is not None:
         tl.store(member_ptr + out, tl.full([BLOCK], MEMBER, tl.int64), mask=live)
 
 
-def successor_part_triton(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor,
-                          t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
-                          est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                          rows: int, vocab: int, levels: int, bin_offset: int, per_mode: int) -> _Out:
+def successor_part_triton(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, succ: SuccessorView,
+                          prices: Prices, bin_offset: int, per_mode: int) -> _Out:
     """`successor_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``). Same arguments and results.
 
     Raises:
         RuntimeError: Triton is not installed.
     """
+    table, t_parent, t_rank, t_depth, rows, vocab, levels = succ
+    est_table, scale, under = prices
     if triton is None:
         raise RuntimeError("graft successor_part: Triton is not installed")
     b, t = roots.shape[0], t_parent.shape[0]
@@ -176,36 +172,15 @@ def successor_part_triton(roots: torch.Tensor, groups: torch.Tensor, sampled: to
     return tokens, parents, est, valid, bins, member
 
 
-@torch.library.custom_op("graft::successor_part", mutates_args=())
-def _successor_part_op(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor,
-                       t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
-                       est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                       rows: int, vocab: int, levels: int, bin_offset: int, per_mode: int) -> _Out:
-    return successor_part_reference(roots, groups, sampled, table, t_parent, t_rank, t_depth, est_table, scale,
-                                    under, rows, vocab, levels, bin_offset, per_mode)
-
-
-@_successor_part_op.register_fake
-def _(roots, groups, sampled, table, t_parent, t_rank, t_depth, est_table, scale, under, rows, vocab, levels,
-      bin_offset, per_mode):
-    b, t = roots.shape[0], t_parent.shape[0]
+def _successor_part_fake(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, succ: SuccessorView,
+                         prices: Prices, bin_offset: int, per_mode: int) -> _Out:
+    b, t = roots.shape[0], succ.t_parent.shape[0]
     e = roots.new_empty((b, t), dtype=torch.int64)
     return (e, e.clone(), roots.new_empty((b, t), dtype=torch.float32), roots.new_empty((b, t), dtype=torch.bool),
             e.clone(), e.clone())
 
 
-if triton is not None:
-    _successor_part_op.register_kernel("cuda")(successor_part_triton)
-
-
-def successor_part(roots: torch.Tensor, groups: torch.Tensor, sampled: torch.Tensor, table: torch.Tensor,
-                   t_parent: torch.Tensor, t_rank: torch.Tensor, t_depth: torch.Tensor,
-                   est_table: torch.Tensor, scale: torch.Tensor, under: torch.Tensor,
-                   rows: int, vocab: int, levels: int, bin_offset: int, per_mode: int) -> _Out:
-    """`successor_part_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    args = (roots, groups, sampled, table, t_parent, t_rank, t_depth, est_table, scale, under,
-            rows, vocab, levels, bin_offset, per_mode)
-    if fused_kernels_for(roots):
-        return torch.ops.graft.successor_part(*args)
-    return successor_part_reference(*args)
+#: ``graft::successor_part``: `successor_part_reference`'s contract, one fused launch on a CUDA device
+#: (or inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+successor_part = fused_op("successor_part", successor_part_reference, _successor_part_fake,
+                          successor_part_triton if triton is not None else None)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration import to_fixed
+from ..numerics.fixed import to_fixed
 from ..tree import chain_links
 from .layout import fused_kernels_for, triton
 

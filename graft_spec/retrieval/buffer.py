@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..kernels.views import HostBlock
 from .base import Proposal
 
 __all__ = ["HostCandidates", "HostCandidateBuffer"]
@@ -63,6 +64,11 @@ class HostCandidates:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def block(self) -> HostBlock:
+        """The proposals' fields as the fused ops read them (`HostBlock`)."""
+        return HostBlock(self.tokens, self.parents, self.logp, self.match, self.member, self.anchor_len)
 
     @staticmethod
     def unpack(block: torch.Tensor) -> "HostCandidates":

@@ -21,9 +21,9 @@ step: for every row it hashes the last m tokens of the slot's history (history.p
 one slot per m, verifies it and takes the longest verified match; the continuation is the ring's
 tokens after it, up to the separator (a chain, like the lookup source), and a second chain from the
 longest match that continues differently; they are priced by the calibrator by depth and match
-length, member ``outputs``. Static shapes, no host read, and a fixed ~80 ops whatever the number of
-match lengths (375 with one pass per length at ``max_match`` 16): every tail's hash comes from one
-prefix sum (`_tail_hashes`) and every match is verified by one gather.
+length, member ``outputs``. Static shapes, no host read, and a fixed number of ops whatever the
+number of match lengths: every tail's hash comes from one prefix sum (`numerics.hashing.tail_hashes`)
+and every match is verified by one gather.
 """
 
 from __future__ import annotations
@@ -34,52 +34,16 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..tree import HASH_ADD, HASH_MIX, HASH_POW
+from ..kernels.chain_part import CHAINS, outputs_propose_reference
+from ..kernels.views import RingView, Windows
+from ..numerics.hashing import mgram_hash, wrap64
+from ..tree import HASH_POW
 
 __all__ = ["CHAINS", "MATCH_LENGTHS", "OutputRing"]
 
-#: Chains proposed per row (`OutputRing.propose`).
-CHAINS = 2
 #: Context-tail lengths matched (those <= max_match are used); the longest verified one wins.
 MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
-
-def _mgram_hash(windows: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
-    """``int64[...]`` hash of the last dimension's tokens and the group tag (int64 arithmetic wraps).
-
-    The reference definition (`insert`): ``h = tag * HASH_MIX + HASH_ADD``, then ``h = h * HASH_POW + w``
-    per token, mixed as ``h ^ (h >> 29)``; `_tail_hashes` gives the same values for every tail length."""
-    h = tags.to(torch.int64) * HASH_MIX + HASH_ADD
-    for i in range(windows.shape[-1]):                      # m is small and fixed per call
-        h = h * HASH_POW + windows[..., i]
-    return h ^ (h >> 29)
-
-
-def _wrap64(x: int) -> int:
-    """A Python integer as the int64 it wraps to."""
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _tail_hashes(tail_rev: torch.Tensor, tags: torch.Tensor, lengths: torch.Tensor,
-                 pow_r: torch.Tensor, pow_m: torch.Tensor) -> torch.Tensor:
-    """`_mgram_hash` of the last m tokens of every row, for every m in ``lengths``, in a fixed handful of ops.
-
-    The unmixed hash of a tail of length m is ``seed * P**m + sum_{r < m} tok_r * P**r`` modulo
-    2**64, with ``tok_r`` the r-th token back from the root (r = 0 the root) and ``seed`` the tag's:
-    one product and one prefix sum over r give every length at once (the per-token loop of
-    `_mgram_hash` is the same polynomial, so the values are bit-identical).
-
-    Args:
-        tail_rev: ``int64[B, M]`` the last M tokens, newest first; tags: ``int64[B]`` groups;
-        lengths: ``int64[K]`` tail lengths (1 <= m <= M); pow_r: ``int64[M]`` ``P**r``;
-        pow_m: ``int64[K]`` ``P**m`` per length (both wrapped to int64).
-    Returns:
-        ``int64[B, K]`` mixed hashes.
-    """
-    sums = torch.cumsum(tail_rev * pow_r, dim=1).index_select(1, lengths - 1)          # [B, K]
-    h = (tags.to(torch.int64) * HASH_MIX + HASH_ADD)[:, None] * pow_m + sums
-    return h ^ (h >> 29)
 
 
 @dataclass
@@ -121,9 +85,9 @@ class OutputRing:
         self.lengths = tuple(m for m in MATCH_LENGTHS if m <= max_match)
         self.max_match = self.lengths[-1]
         self._lengths = torch.tensor(self.lengths, dtype=torch.int64, device=device)
-        self._pow_r = torch.tensor([_wrap64(HASH_POW ** r) for r in range(self.max_match)], dtype=torch.int64,
+        self._pow_r = torch.tensor([wrap64(HASH_POW ** r) for r in range(self.max_match)], dtype=torch.int64,
                                    device=device)
-        self._pow_m = torch.tensor([_wrap64(HASH_POW ** m) for m in self.lengths], dtype=torch.int64, device=device)
+        self._pow_m = torch.tensor([wrap64(HASH_POW ** m) for m in self.lengths], dtype=torch.int64, device=device)
         self.device = torch.device(device)
         self.slots = 1 << max(1, (2 * capacity - 1).bit_length())
         self.ring = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
@@ -192,7 +156,7 @@ class OutputRing:
             if m > n:
                 break
             windows = seq[:n].unfold(0, m, 1)                                     # [n - m + 1, m]
-            slot = _mgram_hash(windows, torch.full((windows.shape[0],), int(group), device=self.device)) \
+            slot = mgram_hash(windows, torch.full((windows.shape[0],), int(group), device=self.device)) \
                 & (self.slots - 1)
             self.table[k].scatter_reduce_(0, slot, pos[m - 1:n], reduce="amax", include_self=True)
         self._total = start + n + 1
@@ -227,7 +191,10 @@ class OutputRing:
             of a chain at depth t + 1 (its parent is node t - 1, the root for t = 0); ``match`` = the
             matched tail length (0 = no match, nothing valid).
         """
-        from ..kernels.chain_part import outputs_propose_reference
+        return outputs_propose_reference(Windows(hist, count), groups, self.view, self.depth)
 
-        return outputs_propose_reference(hist, count, groups, self.ring, self.tag, self.table, self.total, self._lengths,
-                                         self._pow_r, self._pow_m, list(self.lengths), self.depth)
+    @property
+    def view(self) -> RingView:
+        """The ring's device tensors as the fused ops read them (`RingView`)."""
+        return RingView(self.ring, self.tag, self.table, self.total, self._lengths, self._pow_r, self._pow_m,
+                        list(self.lengths))

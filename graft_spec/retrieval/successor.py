@@ -31,6 +31,7 @@ import torch
 
 from ..kernels.successor import last_writer, successor_update, table_rows
 from ..kernels.successor_part import expand_template
+from ..kernels.views import SuccessorView
 
 __all__ = ["SuccessorTable", "rank_template", "template_prior"]
 
@@ -104,6 +105,12 @@ class SuccessorTable:
         self.t_depth = torch.tensor(dep, dtype=torch.int64, device=self.device)
         self.slot_prior = torch.tensor(template_prior(par, rk, prior, decay), device=self.device)
         self.levels = max(dep)                      # the template's deepest level
+
+    @property
+    def view(self) -> SuccessorView:
+        """The table and its template as the fused ops read them (`SuccessorView`)."""
+        return SuccessorView(self.table, self.t_parent, self.t_rank, self.t_depth, self.rows, self.vocab_size,
+                             self.levels)
 
     def memory_bytes(self) -> int:
         return self.table.numel() * self.table.element_size()

@@ -16,7 +16,6 @@ distinct-4-gram ratio of the no-spec completions, greedy and sampled) says when 
 looping text. Output: one JSON file, PNG plots next to it, a markdown table on stdout.
 
 Example (the quick models, both prompt sets)::
-
     python -m sglang_patch.bench --target models/quick/target --draft models/quick/draft \\
         --topk 4 --depth 5 --budgets 24 60 --json bench_out/quick.json
 """
@@ -38,9 +37,9 @@ from tqdm import tqdm
 from sglang_patch.bench.client import run_prompts_sync, sampling_params
 from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, build_methods, interleave_order
 from sglang_patch.bench.prompts import load_prompts, split_warmup
-from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table,
-                                       merge_calibration, sum_histograms, summarize, text_quality, write_json,
-                                       write_plots)
+from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table, merge_calibration,
+                                       sum_histograms, summarize, text_quality, write_json, write_plots)
+from sglang_patch.launcher import SGLangServer, alone
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -108,8 +107,6 @@ def _graft_state(url: str) -> Optional[Dict[str, Any]]:
 
 def main(argv: List[str] | None = None) -> int:
     """Run the benchmark; returns the process exit code (1 when any greedy output differs)."""
-    from sglang_patch.launcher import SGLangServer, alone
-
     a = _parse(sys.argv[1:] if argv is None else argv)
     render, tok = _render_chat(a.target)
     sets, warmup = {}, {}

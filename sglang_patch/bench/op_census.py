@@ -27,6 +27,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List
 
+from sglang_patch.bench.client import run_prompts_sync, sampling_params
+from sglang_patch.bench.methods import MethodSpec
+from sglang_patch.bench.prompts import load_prompts
+from sglang_patch.hooks import register_hook
+from sglang_patch.launcher import SGLangServer
+
 __all__ = ["ENV", "register_op_census", "main"]
 
 #: Environment variable holding the output path prefix (unset: nothing is registered).
@@ -103,8 +109,6 @@ def register_op_census() -> bool:
     ``AROUND`` hooks, applied right after the plugins register). Returns True when registered."""
     if not os.environ.get(ENV):
         return False
-    from sglang_patch.registration import register_hook
-
     done = False
     for phase, target in _TARGETS.items():
         done |= register_hook(target, _counting(phase), "AROUND", only_if_imported="sglang.srt.managers.scheduler")
@@ -142,11 +146,6 @@ def _merge(prefix: Path) -> Dict[str, Dict[str, float]]:
 
 def main(argv: List[str] | None = None) -> int:
     """Run both servers, the same requests on each; print and write the ops per round."""
-    from sglang_patch.bench.client import run_prompts_sync, sampling_params
-    from sglang_patch.bench.methods import MethodSpec
-    from sglang_patch.bench.prompts import load_prompts
-    from sglang_patch.launcher import SGLangServer
-
     p = argparse.ArgumentParser(prog="python -m sglang_patch.bench.op_census", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)

@@ -25,7 +25,6 @@ plain round costs over SGLang's own decode step. Speculative methods are left to
 retrieval would then find, while a plain round's cost does not depend on the text.
 
 Example (the shipped pair; what a plain round costs at concurrency 1 and 8)::
-
     python -m sglang_patch.bench.paired --target models/default/target --draft models/default/draft \\
         --methods nospec graft_plain --concurrency 1 8 --json bench_out/paired.json
 """
@@ -48,6 +47,7 @@ import httpx
 from sglang_patch.bench.methods import MethodSpec, interleave_order
 from sglang_patch.bench.prompts import load_prompts
 from sglang_patch.bench.report import write_json
+from sglang_patch.launcher import SGLangServer, alone
 
 #: the extra method of this tool: graft with every decode round plain (verify width 1)
 PLAIN = "graft_plain"
@@ -176,8 +176,6 @@ def _window(url: str, texts: Sequence[str], concurrency: int, params: Dict[str, 
 
 def main(argv: List[str] | None = None) -> int:
     """Run the paired windows; print the summary and write the JSON (``args``, ``windows``, ``pairs``)."""
-    from sglang_patch.launcher import SGLangServer, alone
-
     a = _parse(sys.argv[1:] if argv is None else argv)
     texts = [p.text for p in load_prompts(a.prompts)]
     by_mode = {"greedy": {"max_new_tokens": a.max_tokens, "temperature": 0.0, "ignore_eos": True},

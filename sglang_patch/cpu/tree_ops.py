@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graft_spec.pipeline import ancestor_mask, chain_links, node_depths, sibling_links
-
+from graft_spec.pipeline import ancestor_mask, chain_links, greedy_verify, node_depths, parents_from_mask, sibling_links
 from sglang_patch.tree_mask import FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING, write_tree_mask  # noqa: F401
 
 
@@ -140,8 +139,6 @@ def verify_tree_greedy_func(
     Returns:
         ``(predicts, accept_index, accept_token_num)``, the same tensors.
     """
-    from graft_spec.pipeline import greedy_verify
-
     del topk
     depth_cap = accept_index.shape[1]
     if candidates.shape[1] == 1:  # a root-only tree (a plain decode round): the target's token is the bonus
@@ -215,8 +212,6 @@ def reconstruct_indices_from_tree_mask_func(
         tree_mask: flat bool ``[B * N * N]`` (QLEN layout), row i True at i and its ancestors.
         verified_seq_len: ``int[B]``.
     """
-    from graft_spec.pipeline import parents_from_mask
-
     bs, n = batch_size, draft_token_num
     mask = tree_mask[: bs * n * n].view(bs, n, n).to(torch.bool)
     strict = mask & torch.ones(n, n, dtype=torch.bool, device=mask.device).tril(-1)

@@ -69,6 +69,7 @@ def rounds(draw):
 @given(case=rounds())
 def test_observe_kernel_equals_reference(case):
     from graft_spec.kernels.observe import gain_columns, observe_rows_reference, observe_rows_triton
+    from graft_spec.kernels.views import CalibrationState, Commit, ObserveOptions, Prices, RoundOutcome, Windows
     from graft_spec.sources import NUM_MEMBERS, NUM_SOURCES
 
     b, n, seed, window_on, rc_window, with_gain = case
@@ -98,14 +99,16 @@ def test_observe_kernel_equals_reference(case):
     slot_ids = torch.randperm(slots, generator=g)[:b]
     committed = torch.randint(0, 500, (b, n), generator=g)
     accept_len = torch.randint(1, n + 1, (b,), generator=g)
-    args = (bins, on_path, depth, source, cal.table.clone(), cal._base.clone(), cal._group, scale, under, gain, cols,
-            slot_ids, committed, accept_len)
-    tail = (window_on, rc_window, cal.max_depth)
+    outcome = RoundOutcome(bins, on_path, depth, source)
+    prices = Prices(cal.table.clone(), scale, under)
+    base = cal._base.clone()
+    opts = ObserveOptions(window_on, rc_window, cal.max_depth)
     results, states = [], []
     for fn in (observe_rows_reference, observe_rows_triton):
         st_ = _clone(_state(planner))
-        results.append(fn(*args, st_["trials"], st_["hits"], st_["recent"], st_["request"], st_["hist"],
-                          st_["count"], *tail))
+        state = CalibrationState(st_["hits"], st_["trials"], cal.prior, st_["recent"], cal._group, base, cal.table)
+        results.append(fn(outcome, prices, state, gain, cols, Commit(slot_ids, committed, accept_len), st_["request"],
+                          Windows(st_["hist"], st_["count"]), opts))
         states.append(st_)
     _assert_equal(states[0], states[1])
     for name, r, f in zip(("sources", "members", "depths", "expected"), *results):
@@ -117,6 +120,7 @@ def test_observe_kernel_equals_reference(case):
 @given(seed=st.integers(0, 2 ** 31 - 1), window=st.sampled_from([0.0, 64.0, 256.0]))
 def test_refresh_kernel_equals_reference(seed, window):
     from graft_spec.kernels.refresh import refresh_reference, refresh_triton
+    from graft_spec.kernels.views import CalibrationState, RefreshIndex, RefreshOptions
 
     planner = _planner(2, source_window=window)
     cal = planner.calibrator
@@ -125,8 +129,9 @@ def test_refresh_kernel_equals_reference(seed, window):
     outs = []
     for fn in (refresh_reference, refresh_triton):
         s = _clone(st0)
-        fn(s["hits"], s["trials"], cal.prior, s["recent"], cal._group, cal._agree_idx, cal._retr_idx,
-           cal._chain_weight, s["base"], s["table"], cal.w, cal.halve_at, window, cal.SOURCE_PSEUDO_TRIALS)
+        fn(CalibrationState(s["hits"], s["trials"], cal.prior, s["recent"], cal._group, s["base"], s["table"]),
+           RefreshIndex(cal._agree_idx, cal._retr_idx, cal._chain_weight),
+           RefreshOptions(cal.w, cal.halve_at, window, cal.SOURCE_PSEUDO_TRIALS))
         outs.append(s)
     _assert_equal(outs[0], outs[1])
     assert not torch.equal(outs[0]["table"], st0["table"])          # it did recompute

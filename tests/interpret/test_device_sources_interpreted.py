@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,7 @@ def successor_cases(draw):
 @given(case=successor_cases())
 def test_successor_part_kernel_equals_reference(case):
     from graft_spec.kernels.successor_part import successor_part_reference, successor_part_triton
+    from graft_spec.kernels.views import Prices
     from graft_spec.retrieval.successor import SuccessorTable
 
     b, (k, max_depth, size), (groups, rows), fill, identity, seed = case
@@ -68,8 +70,7 @@ def test_successor_part_kernel_equals_reference(case):
     offset, per_mode = 17, 17 + t + 9
     est_table = torch.rand(2 * per_mode + 1, generator=g)
     scale, under = _factors(b, g, identity)
-    args = (roots, grp, sampled, succ.table, succ.t_parent, succ.t_rank, succ.t_depth, est_table, scale, under,
-            r, vocab, int(succ.t_depth.max()), offset, per_mode)
+    args = (roots, grp, sampled, succ.view, Prices(est_table, scale, under), offset, per_mode)
     ref = successor_part_reference(*args)
     _assert_same(successor_part_triton(*args), ref)
     if fill == "empty":
@@ -107,7 +108,8 @@ def _histories(b: int, length: int, kind: str, vocab: int, g: torch.Generator):
 def test_chain_part_kernel_equals_reference(case):
     from graft_spec.calibration import BinLayout, Calibrator
     from graft_spec.kernels.chain_part import chain_part_reference, chain_part_triton
-    from graft_spec.retrieval.lookup import LOOKUP_MAX_MATCH
+    from graft_spec.kernels.views import ChainOptions, Prices, Windows
+    from graft_spec.numerics.lookup import LOOKUP_MAX_MATCH
     from graft_spec.retrieval.output_ring import OutputRing
 
     b, n, length, (lookup, outputs), (greedy, sampled_mode), (cap, max_match), kind, identity, seed = case
@@ -129,10 +131,8 @@ def test_chain_part_kernel_equals_reference(case):
     cal = Calibrator(BinLayout(4, 8), torch.full((8,), 0.3))
     est_table = torch.rand(cal.table.numel(), generator=g)
     scale, under = _factors(b, g, identity)
-    rt = ((ring.ring, ring.tag, ring.table, ring.total, ring._lengths, ring._pow_r, ring._pow_m) if ring is not None
-          else (None,) * 7)
-    args = (hist, count, groups, sampled, est_table, scale, under, cal._retrieval_base, cal.logp_edges,
-            cal.depth_edges, cal.match_edges, *rt, list(ring.lengths) if ring is not None else [], n - 1,
-            LOOKUP_MAX_MATCH if lookup else 0, cal.layout.per_mode, greedy, sampled_mode)
+    args = (Windows(hist, count), groups, sampled, Prices(est_table, scale, under), cal.retrieval_view,
+            ring.view if ring is not None else None,
+            ChainOptions(n - 1, LOOKUP_MAX_MATCH if lookup else 0, greedy, sampled_mode))
     ref = chain_part_reference(*args)
     _assert_same(chain_part_triton(*args), ref)

@@ -120,9 +120,12 @@ def host_case(seed: int, b: int, m: int, length: int = 32, vocab: int = 5, kinds
 
 def case_args(case: dict) -> tuple:
     """`host_part_reference`'s positional arguments for a `host_case`."""
-    cal = calibrator()
-    return (*case.values(), cal._retrieval_base, cal.logp_edges, cal.depth_edges, cal.match_edges,
-            cal.layout.per_mode)
+    from graft_spec.kernels.views import HostBlock, Prices, Windows
+
+    c = case
+    return (HostBlock(c["tokens"], c["parents"], c["logp"], c["match"], c["member"], c["anchor_len"]),
+            Windows(c["hist"], c["count"]), c["seq_lens"], c["sampled"],
+            Prices(c["est_table"], c["scale"], c["under"]), calibrator().retrieval_view)
 
 
 def _assert_kernel_equals_reference(case: dict) -> None:

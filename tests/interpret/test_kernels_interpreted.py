@@ -100,6 +100,7 @@ def _draft_case(b: int, n: int, seed: int, mode: str):
 def test_draft_part_kernel_equals_reference(b, n, seed, mode, by_logq, draft_nodes):
     from graft_spec.config import GraftConfig
     from graft_spec.kernels.draft_part import draft_part_reference, draft_part_triton
+    from graft_spec.kernels.views import DraftBlock, DraftOptions
     from graft_spec.pipeline import GraftPlanner
 
     from test_core_step import SHAPES
@@ -109,9 +110,8 @@ def test_draft_part_kernel_equals_reference(b, n, seed, mode, by_logq, draft_nod
     cal = GraftPlanner(GraftConfig(num_draft_tokens=n, topk=topk, depth=steps), 500).calibrator
     table = torch.rand(cal.table.shape, generator=torch.Generator().manual_seed(seed))
     table[::7] = table[::7].round(decimals=1)                                 # equal estimates: ties
-    lay = cal.layout
-    args = (draft.tokens, draft.parents, draft.logq, draft.depth, roots, sampled, table, cal.logp_edges, n,
-            lay.draft_depth, lay.num_q, lay.per_mode, draft_nodes, by_logq)
+    args = (DraftBlock(draft.tokens, draft.parents, draft.logq, draft.depth), roots, sampled, cal.draft_view(table),
+            DraftOptions(n, draft_nodes, by_logq))
     for name, f, r in zip(("tokens", "parents", "est", "valid", "bins", "logq"), draft_part_triton(*args),
                           draft_part_reference(*args)):
         assert f.dtype == r.dtype and f.shape == r.shape, name
@@ -133,6 +133,7 @@ def test_dense_draft_part_kernel_equals_reference(b, shape, seed, mode, by_logq,
     1); ties, zeros, NaN and negative scores."""
     from graft_spec.config import GraftConfig
     from graft_spec.kernels.draft_part import dense_draft_part_reference, dense_draft_part_triton
+    from graft_spec.kernels.views import DraftOptions
     from graft_spec.pipeline import GraftPlanner
     from graft_spec.step import dense_logq
 
@@ -151,10 +152,8 @@ def test_dense_draft_part_kernel_equals_reference(b, shape, seed, mode, by_logq,
     n = min(24, 1 + s)
     cal = GraftPlanner(GraftConfig(num_draft_tokens=n, topk=topk, depth=steps), 500).calibrator
     table = torch.rand(cal.table.shape, generator=g)
-    lay = cal.layout
     args = (tokens, parent_list, dense_logq(scores), topk, torch.randint(0, 500, (b,), generator=g),
-            torch.rand(b, generator=g) < 0.5, table, cal.logp_edges, n, lay.draft_depth, lay.num_q, lay.per_mode,
-            draft_nodes, by_logq)
+            torch.rand(b, generator=g) < 0.5, cal.draft_view(table), DraftOptions(n, draft_nodes, by_logq))
     for name, f, r in zip(("tokens", "parents", "est", "valid", "bins", "logq"), dense_draft_part_triton(*args),
                           dense_draft_part_reference(*args)):
         assert f.dtype == r.dtype and f.shape == r.shape, name

@@ -52,12 +52,22 @@ def candidates(b: int, u: int, seed: int, vocab: int = 6, paper: bool = False):
         key = torch.where((torch.rand(b, u, generator=g) < 0.2) & (torch.arange(u) < draft), math.inf, key)
     bins = torch.where(torch.rand(b, u, generator=g) < 0.9, torch.randint(0, 40, (b, u), generator=g), -1)
     parents[:, 0] = -1
-    return tokens, parents, key, est, valid, member, bins
+    from graft_spec.kernels.views import Candidates
+
+    return Candidates(tokens, parents, est, valid, bins, member, key)
+
+
+def select_args(cands, num_nodes: int, gain_nodes: int, min_score: float, root_width, siblings: str, sampled,
+                offset: int, table, rows) -> tuple:
+    """`merge_select_reference`'s arguments (the views) from the flat values."""
+    from graft_spec.kernels.views import Agreement, SelectOptions
+
+    return (cands, SelectOptions(num_nodes, gain_nodes, min_score, root_width, siblings), sampled,
+            Agreement(offset, table, rows) if table is not None else None)
 
 
 def compare(args):
-    from graft_spec.graft import merge_select_reference
-    from graft_spec.kernels.select import select_triton
+    from graft_spec.kernels.select import merge_select_reference, select_triton
 
     fused = select_triton(*args)
     ref = merge_select_reference(*args)
@@ -82,9 +92,9 @@ def cases(draw):
     agree = draw(st.sampled_from([None, "all", "rows"]))
     table = torch.rand(200, generator=g) if agree else None
     rows = torch.rand(b, generator=g) < 0.5 if agree == "rows" else None
-    return (*cand, n, draw(st.sampled_from([n, n + 7, 2, 1])),
-            draw(st.sampled_from([0.0, 0.25, 0.3])), draw(st.sampled_from([None, 1, 3])),
-            draw(st.sampled_from(["never", "greedy", "always"])), sampled, 100, table, rows)
+    return select_args(cand, n, draw(st.sampled_from([n, n + 7, 2, 1])),
+                       draw(st.sampled_from([0.0, 0.25, 0.3])), draw(st.sampled_from([None, 1, 3])),
+                       draw(st.sampled_from(["never", "greedy", "always"])), sampled, 100, table, rows)
 
 
 @settings(max_examples=20, deadline=None)
@@ -98,8 +108,8 @@ def test_select_kernel_on_a_mixed_batch(mode):
     """16 rows, greedy and sampled mixed, agreement on some rows, root width and min score."""
     g = torch.Generator().manual_seed(7)
     b = 16
-    args = (*candidates(b, 120, 3, paper=True), 24, 24, 0.1, 2, mode, torch.rand(b, generator=g) < 0.5,
-            100, torch.rand(200, generator=g), torch.rand(b, generator=g) < 0.5)
+    args = select_args(candidates(b, 120, 3, paper=True), 24, 24, 0.1, 2, mode, torch.rand(b, generator=g) < 0.5,
+                       100, torch.rand(200, generator=g), torch.rand(b, generator=g) < 0.5)
     compare(args)
 
 
@@ -107,21 +117,21 @@ def test_select_kernel_on_a_mixed_batch(mode):
 def test_select_kernel_on_the_steps_candidates(b, n, monkeypatch):
     """The candidates `GraftStep` stacks (every other row sampled, the output index and agreement
     on), at the issue's batch sizes and widths."""
-    from graft_spec import graft
     from graft_spec.config import GraftConfig
+    from graft_spec.kernels.select import merge_select_op
     from graft_spec.pipeline import GraftPlanner
 
     from test_core_step import SHAPES, dense_inputs
 
     seen = []
-    reference = graft.merge_select_reference
-    monkeypatch.setattr(graft, "merge_select_reference", lambda *a: seen.append(a) or reference(*a))
+    reference = merge_select_op.reference
+    monkeypatch.setattr(merge_select_op, "reference", lambda *a: seen.append(a) or reference(*a))
     topk, steps = SHAPES[n]
     cfg = GraftConfig(num_draft_tokens=n, topk=topk, depth=steps, retrieval={"outputs": True})
     planner = GraftPlanner(cfg, 500, max_slots=b)
     planner.ensure_slots(b)
     planner.build(*dense_inputs(b, topk, steps, 500, 16, "cpu", torch.Generator().manual_seed(b * n)))
-    assert len(seen) == 1 and seen[0][14] is not None     # agreement priced
+    assert len(seen) == 1 and seen[0][3] is not None      # agreement priced
     compare(seen[0])
 
 
@@ -130,13 +140,13 @@ def test_select_kernel_on_the_benchmarks_candidates(n, monkeypatch):
     """The candidates of `sglang_patch.bench.step`'s workload (default config, Qwen3's vocabulary):
     the widths the server stacks at N 24 and 60 (U 180 and 360), so the GPU compile check
     (tests/kernel_launches.py) sees the kernel at the shapes it runs."""
-    from graft_spec import graft
+    from graft_spec.kernels.select import merge_select_op
     from graft_spec.pipeline import dense_draft_candidates
     from sglang_patch.bench.step import dense_lists, workload
 
     seen = []
-    reference = graft.merge_select_reference
-    monkeypatch.setattr(graft, "merge_select_reference", lambda *a: seen.append(a) or reference(*a))
+    reference = merge_select_op.reference
+    monkeypatch.setattr(merge_select_op, "reference", lambda *a: seen.append(a) or reference(*a))
     b, vocab = 2, 151936
     w = workload(b, n, vocab, seed=n)
     sl, tl, pl = dense_lists(b, w.topk, w.depth, vocab, w.gen)
@@ -146,5 +156,5 @@ def test_select_kernel_on_the_benchmarks_candidates(n, monkeypatch):
     w.planner.build(dense_draft_candidates(scores, torch.cat(tl, 1), plist, w.topk, w.depth), roots,
                     w.planner.host_candidates(w.rids), torch.arange(b), torch.tensor(w.ctx) - 1,
                     torch.tensor([False, True]))
-    assert len(seen) == 1 and seen[0][0].shape[1] >= 4 * n
+    assert len(seen) == 1 and seen[0][0].tokens.shape[1] >= 4 * n
     compare(seen[0])
