@@ -2,12 +2,12 @@
 
 Read in this order: tree.py (trees, EAGLE rerank), calibration.py (the one currency: estimated
 path acceptance), retrieval/ (successor table, suffix index, corpus, host candidate buffer),
-graft.py (merge into N nodes), prune.py (the paper's confidence gating), step.py (the per-round
+merge.py (merge into N nodes), prune.py (the paper's confidence gating), step.py (the per-round
 device step), verify.py (greedy / target-only rejection sampling), pipeline.py (GraftPlanner),
 budget.py (the batch budget: each round's verify width).
 
 The functions ``prune`` and ``graft`` are deliberately not re-exported here so that
-``graft_spec.prune`` and ``graft_spec.graft`` stay the modules; import them from there.
+``graft_spec.prune`` and ``graft_spec.merge`` stay the modules; import them from there.
 """
 
 from .budget import BatchBudget

@@ -10,7 +10,7 @@ width ``w`` for all requests from a small fixed set (``GraftConfig.verify_widths
 
 * **Gain, in the calibrated currency.** ``E_i[accept | w] = 1 + c * gain_i(w)`` where ``gain_i(w)``
   is the sum of the calibrated estimates of the ``w - 1`` best candidates of the request's last
-  speculative round (`graft_spec.graft.merge_select`'s gain curve, priced for every width from one
+  speculative round (`graft_spec.merge.merge_select`'s gain curve, priced for every width from one
   candidate pool; `graft_spec.pipeline.RoundStats.expected`; a request without one yet gets the mean
   of the observed curves, an exact mean over the first rounds: a plain round prices nothing, so a
   prior of "no gain" would never be revised), and ``c`` the running ratio of observed accepted

@@ -30,7 +30,7 @@ proposed by several retrieval sources credits every one of them).
 
 With ``calibration.agreement`` (on for the rows that get the output index), a node the draft *and*
 a retrieval source proposed (an agreement node) is its own member, ``agree``: its bins have the
-draft bins' axes (depth, draft probability), it is priced by its own estimate (`graft.merge_select`)
+draft bins' axes (depth, draft probability), it is priced by its own estimate (`merge.merge_select`)
 and credited instead of the draft bin, so the draft bins learn the acceptance of draft-only nodes,
 which is what they price when the draft proposes alone. When a bin reaches `HALVE_AT` trials its
 counts are halved, so the estimate tracks drift with a memory of a few thousand trials.

@@ -46,6 +46,7 @@ from .retrieval.retriever import Retriever
 from .retrieval.successor import SuccessorTable
 from .history import TokenHistory
 from .kernels import fused_kernels_for, fused_ops_everywhere, kernel_path, use_reference_kernels
+from .kernels.registry import fused_op
 from .kernels.tree_sample import tree_sample
 from .kernels.observe import gain_columns, observe_rows
 from .kernels.views import Commit, ObserveOptions, Prices, RoundOutcome
@@ -83,7 +84,7 @@ __all__ = [
     # serving statistics (host accumulators, graft:* Prometheus series)
     "GraftStats", "prometheus_enabled",
     # the fused kernels' switches (graft_spec/kernels): op counting, and an adapter's own fused ops
-    "fused_ops_everywhere", "fused_kernels_for",
+    "fused_ops_everywhere", "fused_kernels_for", "fused_op",
 ]
 
 

@@ -1,7 +1,7 @@
 """The sources of candidate nodes: one enumeration for tree nodes, calibration and metrics.
 
 A tree node's ``source`` (`tree.DraftTree`) is the source whose candidate won the node in
-`graft.merge_select`; each source that proposed a node is one of its *members* and has its own
+`merge.merge_select`; each source that proposed a node is one of its *members* and has its own
 calibration bins (calibration.py). Padding fills the budget and proposes nothing, so it is a node
 source but not a member: the members are the sources ``0 .. NUM_MEMBERS - 1``.
 """

@@ -10,7 +10,7 @@
 
 The retrieved parts come from the step's sources (device_sources.py: one `DeviceSource` each, one
 fused op each on a CUDA device). Every candidate is priced in one currency, its calibrated estimate
-of lying on the accepted path (calibration.py); `merge_select` keeps the ancestor-closed N - 1 best (graft.py). With
+of lying on the accepted path (calibration.py); `merge_select` keeps the ancestor-closed N - 1 best (merge.py). With
 ``checkpoints`` in the config the draft part follows the paper's confidence gating instead (kept
 draft nodes always in, pruned ones refill what retrieval leaves).
 
@@ -39,7 +39,7 @@ from .calibration import Calibrator
 from .device_sources import RoundInputs, device_sources
 from .gate import kth_best
 from .config import GraftConfig
-from .graft import merge_select
+from .merge import merge_select
 from .kernels import tree_layout as fused_tree_layout
 from .kernels.draft_part import dense_draft_part, dense_links, draft_part
 from .kernels.views import DraftBlock, DraftOptions

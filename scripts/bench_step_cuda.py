@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from graft_spec.graphs import StepGraphs  # noqa: E402
-from graft_spec.kernels.layout import REFERENCE_ENV  # noqa: E402
+from graft_spec.kernels.dispatch import REFERENCE_ENV  # noqa: E402
 from graft_spec.pipeline import on_path_from_accept_index  # noqa: E402
 from graft_spec.step import DenseDraft  # noqa: E402
 from sglang_patch.bench.step import dense_lists, workload  # noqa: E402  (no engine import)

@@ -36,7 +36,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("fused ops", ("graft_spec.kernels",)),
     ("state", ("graft_spec.calibration", "graft_spec.request_correction", "graft_spec.history",
                "graft_spec.retrieval")),
-    ("round", ("graft_spec.device_sources", "graft_spec.step", "graft_spec.graft", "graft_spec.prune",
+    ("round", ("graft_spec.device_sources", "graft_spec.step", "graft_spec.merge", "graft_spec.prune",
                "graft_spec.gate", "graft_spec.chain", "graft_spec.verify", "graft_spec.metrics", "graft_spec.stats",
                "graft_spec.budget")),
     ("planner", ("graft_spec.graphs", "graft_spec.pipeline")),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from graft_spec.pipeline import fused_kernels_for
+from graft_spec.pipeline import fused_op
 
 try:  # Triton ships with CUDA builds of torch; without it the reference runs everywhere
     import triton
@@ -131,14 +131,14 @@ def verify_mask_triton(tree_mask: torch.Tensor, mask: torch.Tensor, seq_lens: to
                                      BLOCK_N=triton.next_power_of_2(max(n, 2)), BLOCK_P=1024)
 
 
-@torch.library.custom_op("graft::write_verify_mask", mutates_args=("tree_mask",))
-def _verify_mask_op(tree_mask: torch.Tensor, mask: torch.Tensor, seq_lens: torch.Tensor, mode: int,
-                    fill_prefix: bool) -> None:
-    verify_mask_reference(tree_mask, mask, seq_lens, mode, fill_prefix)
+def _verify_mask_fake(tree_mask: torch.Tensor, mask: torch.Tensor, seq_lens: torch.Tensor, mode: int,
+                      fill_prefix: bool) -> None:
+    return None
 
 
-if triton is not None:
-    _verify_mask_op.register_kernel("cuda")(verify_mask_triton)
+#: ``graft::write_verify_mask`` (`graft_spec.kernels.registry.fused_op`): one launch on a CUDA device.
+verify_mask_op = fused_op("write_verify_mask", verify_mask_reference, _verify_mask_fake,
+                          verify_mask_triton if triton is not None else None, mutates=("tree_mask",))
 
 
 def write_verify_mask(tree_mask: torch.Tensor, mask: torch.Tensor, seq_lens: torch.Tensor, mode: int,
@@ -159,7 +159,4 @@ def write_verify_mask(tree_mask: torch.Tensor, mask: torch.Tensor, seq_lens: tor
     """
     if mode not in (FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING):
         raise ValueError(f"unknown tree mask mode {mode}")
-    if fused_kernels_for(tree_mask):
-        torch.ops.graft.write_verify_mask(tree_mask, mask, seq_lens, int(mode), bool(fill_prefix))
-    else:
-        verify_mask_reference(tree_mask, mask, seq_lens, int(mode), bool(fill_prefix))
+    verify_mask_op(tree_mask, mask, seq_lens, int(mode), bool(fill_prefix))

@@ -62,7 +62,7 @@ def test_step_bench_ops_by_function(tmp_path):
     by = graft["ops_by_function"]
     build = by["pipeline.py:build"]
     assert 0.9 * graft["ops_per_round"] <= build <= graft["ops_per_round"]
-    assert 0 < by["graft.py:merge_select"] < build and 0 < by["step.py:retrieve"] < build
+    assert 0 < by["merge.py:merge_select"] < build and 0 < by["step.py:retrieve"] < build
     assert by["tree.py:path_min"] < by["pipeline.py:build"]
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from graft_spec.config import GraftPolicy, PruneStage
 from graft_spec.kernels.views import Candidates
-from graft_spec.graft import merge_select, path_hashes
+from graft_spec.merge import merge_select, path_hashes
 from graft_spec.prune import DraftStopGate, prune
 from graft_spec.sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUFFIX
 from graft_spec.tree import (DraftTree, eagle_rerank,
@@ -375,7 +375,7 @@ def test_siblings_share_their_parents_mass():
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 100_000), u=st.integers(2, 30))
 def test_sibling_caps_match_a_direct_sum(seed, u):
-    from graft_spec.graft import sibling_caps
+    from graft_spec.merge import sibling_caps
 
     rng = random.Random(seed)
     _, pars = random_tree(rng, u, 50, distinct=False)

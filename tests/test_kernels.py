@@ -95,7 +95,7 @@ def test_layout_op_is_one_dispatch_and_the_reference_on_cpu():
 
 
 def test_reference_switch(monkeypatch):
-    from graft_spec.kernels import layout
+    from graft_spec.kernels import dispatch as layout
 
     monkeypatch.setenv(layout.REFERENCE_ENV, "1")
     assert not layout.fused_enabled()
@@ -106,7 +106,7 @@ def test_reference_switch(monkeypatch):
 def test_start_up_fallback_switches_to_the_references(monkeypatch):
     """`use_reference_kernels` (what the SGLang worker calls when the fused step fails to compile or
     capture at start-up) turns the fused ops off for the process and names the cause."""
-    from graft_spec.kernels import layout
+    from graft_spec.kernels import dispatch as layout
 
     monkeypatch.setenv(layout.REFERENCE_ENV, "0")
     monkeypatch.setattr(layout, "_FALLBACK", [None])

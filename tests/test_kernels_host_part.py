@@ -74,7 +74,8 @@ def test_host_part_op_traces():
 
 
 def test_host_part_calls_the_reference_when_switched_off(monkeypatch):
-    from graft_spec.kernels import fused_ops_everywhere, layout
+    from graft_spec.kernels import dispatch as layout
+    from graft_spec.kernels import fused_ops_everywhere
     from sglang_patch.bench.step import OpCounter
 
     monkeypatch.setenv(layout.REFERENCE_ENV, "1")

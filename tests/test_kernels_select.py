@@ -12,7 +12,7 @@ import torch
 
 from graft_spec.kernels.views import Candidates
 from graft_spec.config import GraftPolicy
-from graft_spec.graft import merge_select
+from graft_spec.merge import merge_select
 
 
 
@@ -75,14 +75,15 @@ def test_merge_select_op_traces():
     with fused_ops_everywhere():
         gm = make_fx(fn, tracing_mode="fake")(*args)
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-        assert [str(n.target) for n in calls if "graft" in str(n.target)] == ["graft.merge_select.default"]
+        assert [str(n.target) for n in calls if "graft" in str(n.target)] == ["merge.merge_select.default"]
         compiled = torch.compile(fn, fullgraph=True, dynamic=False)(*args)
     for a, r in zip(compiled, ref):
         assert a.dtype == r.dtype and torch.equal(a, r)
 
 
 def test_merge_select_calls_the_reference_when_switched_off(monkeypatch):
-    from graft_spec.kernels import fused_ops_everywhere, layout
+    from graft_spec.kernels import dispatch as layout
+    from graft_spec.kernels import fused_ops_everywhere
     from sglang_patch.bench.step import OpCounter
 
     monkeypatch.setenv(layout.REFERENCE_ENV, "1")

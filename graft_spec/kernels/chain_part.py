@@ -17,8 +17,7 @@ once. Everything is integer arithmetic (hashes wrap in int64 in both) except the
 read through the same float32 expression, so the two agree exactly. The ring's write position
 ``total`` is a device tensor (`OutputRing.total`), read by the kernel, so a captured graph sees
 inserts made after capture. The op ``graft::chain_part`` has the reference as its CPU
-implementation and the kernel as its CUDA implementation; `chain_part` dispatches like `tree_layout`
-(layout.py).
+implementation and the kernel as its CUDA implementation; `chain_part` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from ..numerics.rows import mode_rows
 from ..sources import SOURCE_LOOKUP, SOURCE_OUTPUTS
 from ..tree import HASH_ADD, HASH_MIX
 from .common import int8_arg
-from .layout import triton
+from .dispatch import triton
 from .registry import fused_op
 from .views import ChainOptions, Prices, RetrievalBins, RingView, Windows
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import triton
+from .dispatch import triton
 
 
 def int8_arg(t: torch.Tensor) -> torch.Tensor:

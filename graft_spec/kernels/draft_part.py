@@ -10,7 +10,7 @@ request: `path_min` by the reference's pointer jumping through a scratch row, th
 counting the candidates with a larger `tree.order_key` (tiles of the row against chunks of it),
 compaction by a cumulative sum. Minima, counts and gathers are exact, so the two agree bit for
 bit. The op ``graft::draft_part`` has the reference as its CPU implementation and the kernel as its
-CUDA implementation; `draft_part` dispatches like `tree_layout` (layout.py).
+CUDA implementation; `draft_part` is registered by `registry.fused_op`.
 
 ``graft::dense_draft_part`` is the same rerank of SGLang's dense EAGLE tree (`dense_links`: the
 parents from ``parent_list`` and the depths from the index, derived inside the kernel instead of
@@ -27,7 +27,7 @@ import torch
 from ..numerics.bins import draft_bin_ids
 from ..tree import order_key, path_min, pointer_rounds, top_mask
 from .common import row_arg
-from .layout import triton
+from .dispatch import triton
 from .registry import fused_op
 from .views import DraftBins, DraftBlock, DraftOptions
 

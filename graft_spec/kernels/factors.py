@@ -5,8 +5,7 @@ into `calibration.linear_correction`'s ``(scale, under)``; members outside the c
 identity. Reference: `factors_reference` (torch). Fused: `_factors_kernel`, one Triton
 program per request doing the same float operations in the same order, compiled without fused
 multiply-add, so the two agree bit for bit. The op ``graft::request_factors`` has the reference as
-its CPU implementation and the kernel as its CUDA implementation; `request_factors` dispatches like
-`tree_layout` (layout.py).
+its CPU implementation and the kernel as its CUDA implementation; `request_factors` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..numerics import correction
-from .layout import fused_kernels_for, triton
+from .dispatch import triton
+from .registry import fused_op
 
 if triton is not None:
     import triton.language as tl
@@ -69,26 +69,13 @@ def factors_triton(recent, slot_ids, on, pseudo_trials: float) -> tuple[torch.Te
     return scale, under
 
 
-@torch.library.custom_op("graft::request_factors", mutates_args=())
-def _factors_op(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tensor, pseudo_trials: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    return factors_reference(recent, slot_ids, on, pseudo_trials)
-
-
-@_factors_op.register_fake
-def _(recent, slot_ids, on, pseudo_trials):
+def _factors_fake(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tensor, pseudo_trials: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     b, m = slot_ids.shape[0], recent.shape[1]
     return recent.new_empty((b, m)), recent.new_empty((b, m), dtype=torch.bool)
 
 
-if triton is not None:
-    _factors_op.register_kernel("cuda")(factors_triton)
-
-
-def request_factors(recent: torch.Tensor, slot_ids: torch.Tensor, on: torch.Tensor, pseudo_trials: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`factors_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(recent):
-        return torch.ops.graft.request_factors(recent, slot_ids, on, pseudo_trials)
-    return factors_reference(recent, slot_ids, on, pseudo_trials)
+#: ``graft::request_factors``: `factors_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+request_factors = fused_op("request_factors", factors_reference, _factors_fake,
+                           factors_triton if triton is not None else None)

@@ -20,7 +20,7 @@ agree bit for bit. The op ``graft::host_part`` returns the reference's six tenso
 members as contiguous copies the kernel writes (an op may not return its inputs; the stack that
 reads them next then gets contiguous rows); the kernel reads the candidate fields in place through
 their row strides (views of the packed host block). Its CPU implementation is the reference and its
-CUDA implementation the kernel. `host_part` dispatches like `tree_layout` (layout.py).
+CUDA implementation the kernel. `host_part` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..numerics.correction import price
 from ..sources import SOURCE_OUTPUTS, SOURCE_SUFFIX
 from ..tree import node_depths, path_min, pointer_jumps, pointer_rounds
 from .common import int8_arg, row_arg
-from .layout import triton
+from .dispatch import triton
 from .registry import fused_op
 from .views import HostBlock, Prices, RetrievalBins, Windows
 

@@ -1,78 +1,26 @@
 """The verify layout of a tree in one kernel: depth, positions, ancestor mask and sibling links.
 
-Reference: `layout_reference` (pointer jumping over ``[B, N]`` tensors, graft_spec/tree.py: ~50 small
-ops). Fused: `_layout_kernel`, one Triton program per request that walks every node's ancestors
+Reference: `layout_reference` (pointer jumping over ``[B, N]`` tensors, graft_spec/tree.py). Fused: `_layout_kernel`, one Triton program per request that walks every node's ancestors
 with a fixed N steps (parents < own index, so no path is longer than N) and compares the parent row
 with itself for the sibling links. The outputs are integers and booleans, so the two agree exactly.
 
-The op ``graft::tree_layout`` has the reference as its CPU implementation and the Triton kernel as
-its CUDA implementation; `tree_layout` calls the op on CUDA devices (unless
-``GRAFT_REFERENCE_KERNELS=1``) and the reference directly elsewhere, so on CPU the step's op count is
-the reference's. Source of the output contract: SGLang's ``build_tree_kernel_efficient``
+The op ``graft::tree_layout`` (`registry.fused_op`) has the reference as its CPU implementation
+and the Triton kernel as its CUDA implementation; on CPU the step runs the reference directly. Source of the output contract: SGLang's ``build_tree_kernel_efficient``
 (``eagle_utils.py:138``; ``retrive_next_token`` / ``retrive_next_sibling``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator
-
 import torch
 
 from ..tree import ancestor_mask, node_depths, pointer_jumps, sibling_links
+from .dispatch import triton
+from .registry import fused_op
 
-try:  # Triton ships with CUDA builds of torch; without it the reference runs everywhere
-    import triton
+__all__ = ["layout_reference", "layout_triton", "tree_layout"]
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-
-__all__ = ["layout_reference", "tree_layout", "fused_enabled", "fused_kernels_for", "layout_triton",
-           "fused_ops_everywhere", "use_reference_kernels", "kernel_path"]
-
-#: Environment switch: ``1`` = the torch reference on every device.
-REFERENCE_ENV = "GRAFT_REFERENCE_KERNELS"
-_EVERYWHERE = [False]
-_FALLBACK: list = [None]   # `use_reference_kernels`: the reason, once a start-up check failed
-
-
-@contextlib.contextmanager
-def fused_ops_everywhere() -> Iterator[None]:
-    """Within the block, the fused ops are called on every device (on CPU each runs its reference
-    as its implementation): what the op counter of ``sglang_patch.bench.step`` counts as the fused
-    path (``graft_fused`` rows), one op per fused launch."""
-    _EVERYWHERE[0] = True
-    try:
-        yield
-    finally:
-        _EVERYWHERE[0] = False
-
-
-def fused_kernels_for(t: torch.Tensor) -> bool:
-    """True when a fused op should run for tensor ``t``: on a CUDA device (or inside
-    `fused_ops_everywhere`) with `fused_enabled`."""
-    return (t.is_cuda or _EVERYWHERE[0]) and fused_enabled()
-
-
-def fused_enabled() -> bool:
-    """True when the fused kernels may run: Triton is importable, ``GRAFT_REFERENCE_KERNELS`` is
-    not ``1`` and `use_reference_kernels` has not been called."""
-    return triton is not None and _FALLBACK[0] is None and os.environ.get(REFERENCE_ENV, "0") != "1"
-
-
-def use_reference_kernels(reason: str) -> None:
-    """Run the torch references from now on in this process (what a server does when a fused
-    kernel fails to compile or capture at start-up); ``reason`` is kept for `kernel_path`."""
-    _FALLBACK[0] = reason
-
-
-def kernel_path() -> str:
-    """Which implementation the fused ops run on a CUDA device: ``"fused"``, ``"reference"`` (the
-    environment switch or no Triton) or ``"reference (fallback: <reason>)"``."""
-    if _FALLBACK[0] is not None:
-        return f"reference (fallback: {_FALLBACK[0]})"
-    return "fused" if fused_enabled() else "reference"
 
 
 def layout_reference(parents: torch.Tensor, seq_lens: torch.Tensor
@@ -159,27 +107,12 @@ def layout_triton(parents: torch.Tensor, seq_lens: torch.Tensor
     return depth, pos, mask, first, nxt
 
 
-@torch.library.custom_op("graft::tree_layout", mutates_args=())
-def _layout_op(parents: torch.Tensor, seq_lens: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layout_reference(parents, seq_lens)
-
-
-@_layout_op.register_fake
-def _(parents, seq_lens):
+def _layout_fake(parents: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, n = parents.shape
     e = parents.new_empty((b, n), dtype=torch.int64)
     return e, e.clone(), parents.new_empty((b, n, n), dtype=torch.bool), e.clone(), e.clone()
 
 
-if triton is not None:
-    _layout_op.register_kernel("cuda")(layout_triton)
-
-
-def tree_layout(parents: torch.Tensor, seq_lens: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The verify layout (`layout_reference`'s contract): one fused launch on a CUDA device, the
-    torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(parents):
-        return torch.ops.graft.tree_layout(parents, seq_lens)
-    return layout_reference(parents, seq_lens)
+#: ``graft::tree_layout``: `layout_reference`'s contract, one fused launch on a CUDA device (or inside
+#: `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+tree_layout = fused_op("tree_layout", layout_reference, _layout_fake, layout_triton if triton is not None else None)

@@ -10,7 +10,7 @@ sequential scatters agree bit for bit, and so do the ranks of a tensor-parallel 
 
 Reference: `observe_rows_reference` (torch). Fused: `_observe_kernel`, one Triton
 program per request. The op ``graft::observe_rows`` has the reference as its CPU implementation and
-the kernel as its CUDA implementation; `observe_rows` dispatches like `tree_layout` (layout.py).
+the kernel as its CUDA implementation; `observe_rows` is registered by `registry.fused_op`.
 Halving of the counts belongs to the table refresh (refresh.py), which runs after every observe.
 """
 
@@ -22,7 +22,7 @@ from ..numerics.correction import window_update
 from ..numerics.credit import credit_counts, round_metrics
 from ..numerics.rows import append_rows
 from .common import int8_arg
-from .layout import triton
+from .dispatch import triton
 from .registry import fused_op
 from .views import CalibrationState, Commit, ObserveOptions, Prices, RoundOutcome, Windows
 
@@ -75,19 +75,14 @@ def observe_rows_reference(outcome: RoundOutcome, prices: Prices, cal: Calibrati
         per row and member (trials, sum of the estimates as priced, hits); per row and depth
         (verified, accepted) nodes (row 0 is 0); 1 + the gain at each column.
     """
-    bins, on_path, depth, source = outcome
-    estimates, scale, under = prices
-    trials, hits, src_recent, group, base = cal.trials, cal.hits, cal.src_recent, cal.group, cal.base
-    slot_ids, committed, accept_len = commit
-    hist_tokens, hist_count = history
-    source_window, rc_window, max_depth = opts
-    credit_counts(trials, hits, src_recent if source_window else None, group, base, bins, on_path)
-    row_members, row_depths = round_metrics(bins, on_path, depth, estimates, scale, under, max_depth)
-    if rc_window > 0:
-        window_update(rc_recent, slot_ids, bins, on_path, estimates, rc_window)
-    append_rows(hist_tokens, hist_count, slot_ids, committed, accept_len)
-    sources = accepted_sources(on_path, source)
-    return sources, row_members, row_depths, expected_lengths(gain, gain_cols)
+    o = outcome
+    credit_counts(cal.trials, cal.hits, cal.src_recent if opts.source_window else None, cal.group, cal.base, o.bins,
+                  o.on_path)
+    row_members, row_depths = round_metrics(o.bins, o.on_path, o.depth, *prices, opts.max_depth)
+    if opts.rc_window > 0:
+        window_update(rc_recent, commit.slot_ids, o.bins, o.on_path, prices.table, opts.rc_window)
+    append_rows(history.hist, history.count, *commit)
+    return accepted_sources(o.on_path, o.source), row_members, row_depths, expected_lengths(gain, gain_cols)
 
 
 def accepted_sources(on_path: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ scan runs through a scratch buffer with the same operations in the same order, a
 block's sums are int64 fixed-point sums (calibration.py `FIXED_ONE`), so the two agree bit for bit
 (the kernel is compiled without fused multiply-add). The op ``graft::refresh_table`` has the
 reference as its CPU implementation and the kernel as its CUDA implementation; `refresh_table`
-dispatches like `tree_layout` (layout.py).
+is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from ..numerics import correction, fixed
 from ..numerics.fixed import FIXED_ONE
-from .layout import triton
+from .dispatch import triton
 from .registry import fused_op
 from .views import CalibrationState, RefreshIndex, RefreshOptions
 

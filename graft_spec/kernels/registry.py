@@ -10,7 +10,7 @@ optional, and a view whose fields all arrive as None is None), so the flat tenso
 needs is built here and nowhere else.
 
 Calling the returned `FusedOp` runs the reference directly where no fused op should run
-(`layout.fused_kernels_for` of the first tensor argument: CPU outside `fused_ops_everywhere`, or
+(`dispatch.fused_kernels_for` of the first tensor argument: CPU outside `fused_ops_everywhere`, or
 ``GRAFT_REFERENCE_KERNELS=1``), else ``torch.ops.graft.<name>``: one op to the dispatcher (and to
 ``sglang_patch.bench.step``'s counter), the Triton launch on a CUDA device.
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .layout import fused_kernels_for
+from .dispatch import fused_kernels_for
 
 __all__ = ["FusedOp", "fused_op"]
 
@@ -75,8 +75,8 @@ class FusedOp:
     """
 
     def __init__(self, name: str, reference: Callable, fake: Callable, kernel: Optional[Callable],
-                 mutates: Sequence[str], cpu: Optional[Callable]):
-        self.name, self.reference, self.kernel = name, reference, kernel
+                 mutates: Sequence[str], cpu: Optional[Callable], when: Optional[Callable]):
+        self.name, self.reference, self.kernel, self._when = name, reference, kernel, when
         hints = typing.get_type_hints(reference)
         sig = inspect.signature(reference)
         self._params: list[_Param] = []
@@ -160,7 +160,7 @@ class FusedOp:
     def __call__(self, *args: Any, **kwargs: Any):
         """The reference's contract: the op where `fused_kernels_for` says so, the reference elsewhere."""
         first = _first_tensor(args, kwargs)
-        if first is not None and fused_kernels_for(first):
+        if first is not None and fused_kernels_for(first) and (self._when is None or self._when(*args, **kwargs)):
             return getattr(torch.ops.graft, self.name)(*self.flatten(*args, **kwargs))
         return self.reference(*args, **kwargs)
 
@@ -183,7 +183,8 @@ def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
 
 
 def fused_op(name: str, reference: Callable, fake: Callable, kernel: Optional[Callable] = None,
-             mutates: Sequence[str] = (), cpu: Optional[Callable] = None) -> FusedOp:
+             mutates: Sequence[str] = (), cpu: Optional[Callable] = None,
+             when: Optional[Callable] = None) -> FusedOp:
     """Register ``graft::<name>`` from ``reference`` (see module docstring).
 
     Args:
@@ -194,9 +195,11 @@ def fused_op(name: str, reference: Callable, fake: Callable, kernel: Optional[Ca
         mutates: flat names (``<param>`` or ``<param>_<field>``) of the tensors the op writes in place.
         cpu: the op's CPU implementation where it differs from ``reference`` (copies of outputs that
             would alias inputs: an op returns no input); default ``reference``.
+        when: a predicate of the call's arguments; where it is False the reference runs (shapes the
+            kernel does not take); default always the op.
     Returns:
         The `FusedOp`; call it with the reference's arguments.
     Raises:
         TypeError: an annotation the schema cannot express; ValueError: ``mutates`` names no argument.
     """
-    return FusedOp(name, reference, fake, kernel, mutates, cpu)
+    return FusedOp(name, reference, fake, kernel, mutates, cpu, when)

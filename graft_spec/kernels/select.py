@@ -1,6 +1,6 @@
 """The selection of a round's tree in one kernel: dedupe, priority, sibling caps, fill, compaction.
 
-Reference: `merge_select_reference` (the torch code of `graft.merge_select` over ``[B, U]``
+Reference: `merge_select_reference` (the torch code of `merge.merge_select` over ``[B, U]``
 candidates). Fused: `_select_kernel`, one Triton program per request that holds the
 row's U candidates as vectors:
 
@@ -21,7 +21,8 @@ row's U candidates as vectors:
 
 The op ``graft::merge_select`` takes `merge_select`'s arguments flattened (the policy fields, the
 agreement tuple, optional tensors as ``Tensor?``); its CPU implementation is the reference and its
-CUDA implementation the Triton kernel. `graft.merge_select` calls it where `select_fused` says so.
+CUDA implementation the Triton kernel (`merge_select_op`, `registry.fused_op`); `merge.merge_select`
+calls it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..numerics import fixed
 from ..sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_PADDING, SOURCE_SUCCESSOR
 from ..tree import (HASH_ADD, HASH_MIX, HASH_POW, IDX_BITS, order_key, path_min, pointer_jumps, pointer_rounds,
                     top_mask)
-from .layout import fused_kernels_for, triton
+from .dispatch import triton
 from .registry import fused_op
 from .views import Agreement, Candidates, SelectOptions
 
@@ -46,15 +47,9 @@ if triton is not None:
     from .common import from_fixed, to_fixed
 
 __all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select_reference", "select_triton",
-           "merge_select_op", "select_fused"]
+           "merge_select_op"]
 
 _CAPS = {"never": 0, "greedy": 1, "always": 2}
-
-
-def select_fused(tokens: torch.Tensor) -> bool:
-    """True when `graft.merge_select` calls the op: on a CUDA device or inside
-    `fused_ops_everywhere`, unless ``GRAFT_REFERENCE_KERNELS=1``."""
-    return fused_kernels_for(tokens)
 
 
 def path_hashes(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -6,14 +6,15 @@ one, else its estimate; a row whose request opted out of speculation loses every
 Reference: `stack_reference` (torch: a concatenation per field and two ops per block). Fused:
 `_stack_kernel`, one Triton program per request copying up to `MAX_BLOCKS` blocks; copies are exact.
 The op ``graft::stack_candidates`` has the reference as its CPU implementation and the kernel as its
-CUDA implementation; `stack_candidates` dispatches like `tree_layout` (layout.py).
+CUDA implementation; `stack_candidates` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import fused_kernels_for, triton
+from .dispatch import triton
+from .registry import fused_op
 
 if triton is not None:
     import triton.language as tl
@@ -120,25 +121,15 @@ def stack_triton(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list[to
     return out
 
 
-@torch.library.custom_op("graft::stack_candidates", mutates_args=())
-def _stack_op(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list[torch.Tensor]:
-    return stack_reference(blocks, speculate)
-
-
-@_stack_op.register_fake
-def _(blocks, speculate):
+def _stack_fake(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list[torch.Tensor]:
     total = sum(blocks[i].shape[1] for i in range(0, len(blocks), FIELDS))
     b = blocks[0].shape[0]
     return [x.new_empty((b, total)) for x in blocks[:FIELDS]]
 
 
-if triton is not None:
-    _stack_op.register_kernel("cuda")(stack_triton)
-
-
-def stack_candidates(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list[torch.Tensor]:
-    """`stack_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(speculate) and len(blocks) <= FIELDS * MAX_BLOCKS:
-        return torch.ops.graft.stack_candidates(blocks, speculate)
-    return stack_reference(blocks, speculate)
+#: ``graft::stack_candidates``: `stack_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`) for at most `MAX_BLOCKS` blocks, the torch reference elsewhere or
+#: with ``GRAFT_REFERENCE_KERNELS=1``.
+stack_candidates = fused_op("stack_candidates", stack_reference, _stack_fake,
+                            stack_triton if triton is not None else None,
+                            when=lambda blocks, speculate: len(blocks) <= FIELDS * MAX_BLOCKS)

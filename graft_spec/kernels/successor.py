@@ -7,7 +7,7 @@ and writes them with ``index_copy_`` through a dump row; the kernel (`_successor
 program per block of nodes) lets a node write when no later valid node has its row, so the writes
 are disjoint and the result does not depend on the device's order. The op
 ``graft::successor_update`` has the reference as its CPU implementation and the kernel as its CUDA
-implementation; `successor_update` dispatches like `tree_layout` (layout.py).
+implementation; `successor_update` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .common import int8_arg
-from .layout import fused_kernels_for, triton
+from .dispatch import triton
+from .registry import fused_op
 
 if triton is not None:
     import triton.language as tl
@@ -124,25 +125,13 @@ def successor_update_triton(table, tokens, topk_ids, valid, groups, rows: int, v
                                             BJ=128, BK=triton.next_power_of_2(max(k, 2)))
 
 
-@torch.library.custom_op("graft::successor_update", mutates_args=["table"])
-def _successor_op(table: torch.Tensor, tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
-                  groups: torch.Tensor, rows: int, vocab: int) -> None:
-    successor_update_reference(table, tokens, topk_ids, valid, groups, rows, vocab)
-
-
-@_successor_op.register_fake
-def _(*args):
+def _successor_fake(table: torch.Tensor, tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
+                    groups: torch.Tensor, rows: int, vocab: int) -> None:
     return None
 
 
-if triton is not None:
-    _successor_op.register_kernel("cuda")(successor_update_triton)
-
-
-def successor_update(*args) -> None:
-    """`successor_update_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(args[0]):
-        torch.ops.graft.successor_update(*args)
-    else:
-        successor_update_reference(*args)
+#: ``graft::successor_update``: `successor_update_reference`'s contract, one fused launch on a CUDA
+#: device (or inside `fused_ops_everywhere`), the torch reference elsewhere or with
+#: ``GRAFT_REFERENCE_KERNELS=1``.
+successor_update = fused_op("successor_update", successor_update_reference, _successor_fake,
+                            successor_update_triton if triton is not None else None, mutates=("table",))

@@ -13,8 +13,7 @@ per request: each slot walks its own path down from the root, level by level (fo
 ancestor at depth j is found by walking up the template), so no slot waits for another. Tokens,
 bins and flags are integers; the estimate is one table read through the same float32 expression,
 so the two agree exactly. The op ``graft::successor_part`` has the reference as its CPU
-implementation and the kernel as its CUDA implementation; `successor_part` dispatches like
-`tree_layout` (layout.py).
+implementation and the kernel as its CUDA implementation; `successor_part` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 from ..numerics.correction import price
 from ..sources import SOURCE_SUCCESSOR
 from .common import int8_arg
-from .layout import triton
+from .dispatch import triton
 from .registry import fused_op
 from .successor import group_rows, table_rows
 from .views import Prices, SuccessorView

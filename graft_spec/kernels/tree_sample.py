@@ -23,7 +23,7 @@ When the tried children hold all of a row's mass (a rounding edge, or a one-hot 
 rejected because its mass rounded below the coin), the bonus is drawn from the whole row.
 
 The op ``graft::tree_sample`` has the reference as its CPU implementation and the kernel as its CUDA
-implementation; `tree_sample` dispatches like `tree_layout` (layout.py).
+implementation; `tree_sample` is registered by `registry.fused_op`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import torch
 
 from ..numerics.fixed import to_fixed
 from ..tree import chain_links
-from .layout import fused_kernels_for, triton
+from .dispatch import triton
+from .registry import fused_op
 
 if triton is not None:
     import triton.language as tl
@@ -208,28 +209,15 @@ def tree_sample_triton(predicts, accept_index, accept_token_num, candidates, ret
                               BLOCK_N=triton.next_power_of_2(max(n, 2)), BLOCK_V=1024)
 
 
-@torch.library.custom_op("graft::tree_sample", mutates_args=("predicts", "accept_index", "accept_token_num"))
-def _tree_sample_op(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
-                    candidates: torch.Tensor, retrieve_index: torch.Tensor, next_token: torch.Tensor,
-                    next_sibling: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor,
-                    target_probs: torch.Tensor) -> None:
-    tree_sample_reference(predicts, accept_index, accept_token_num, candidates, retrieve_index, next_token,
-                          next_sibling, coins, final_coins, target_probs)
-
-
-@_tree_sample_op.register_fake
-def _(*args):
+def _tree_sample_fake(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
+                      candidates: torch.Tensor, retrieve_index: torch.Tensor, next_token: torch.Tensor,
+                      next_sibling: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor,
+                      target_probs: torch.Tensor) -> None:
     return None
 
 
-if triton is not None:
-    _tree_sample_op.register_kernel("cuda")(tree_sample_triton)
-
-
-def tree_sample(*args) -> None:
-    """`tree_sample_reference`'s contract: one fused launch on a CUDA device (or inside
-    `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``."""
-    if fused_kernels_for(args[3]):
-        torch.ops.graft.tree_sample(*args)
-    else:
-        tree_sample_reference(*args)
+#: ``graft::tree_sample``: `tree_sample_reference`'s contract, one fused launch on a CUDA device (or
+#: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
+tree_sample = fused_op("tree_sample", tree_sample_reference, _tree_sample_fake,
+                       tree_sample_triton if triton is not None else None,
+                       mutates=("predicts", "accept_index", "accept_token_num"))

@@ -5,7 +5,7 @@ Each view is flattened to the op's schema in one place (`kernels.registry`). Who
 
 | view | from |
 |---|---|
-| `Candidates` | every source's block, `Candidates.stack`, `graft.merge_select` |
+| `Candidates` | every source's block, `Candidates.stack`, `merge.merge_select` |
 | `Windows` | `TokenHistory.windows` (all slots) and `TokenHistory.gather` (the rows of a batch) |
 | `Prices` | the round's `Calibrator.table` and `RequestCorrection.factors` |
 | `RetrievalBins` | `Calibrator.retrieval_view` |
@@ -163,7 +163,7 @@ class DraftOptions(NamedTuple):
 
 
 class SelectOptions(NamedTuple):
-    """Static options of the selection (`graft.merge_select`): ``num_nodes`` N, ``gain_nodes`` the
+    """Static options of the selection (`merge.merge_select`): ``num_nodes`` N, ``gain_nodes`` the
     gain curve's length + 1, the policy's ``min_score``, ``root_width`` (None = no cap) and
     ``exclusive_siblings`` (``"never"``, ``"greedy"``, ``"always"``)."""
 
@@ -175,7 +175,7 @@ class SelectOptions(NamedTuple):
 
 
 class Agreement(NamedTuple):
-    """Agreement pricing (`graft.merge_select`): a node's agreement bin is its draft bin +
+    """Agreement pricing (`merge.merge_select`): a node's agreement bin is its draft bin +
     ``offset``, priced from ``table float32[S + 1]``, on the rows of ``rows bool[B]`` (None: all)."""
 
     offset: int

@@ -1,4 +1,4 @@
-"""The fused selection kernel (graft_spec/kernels/select.py) against `graft.merge_select_reference`,
+"""The fused selection kernel (graft_spec/kernels/select.py) against `kernels.select.merge_select_reference`,
 bit for bit, run by Triton's interpreter on CPU.
 
 Collected in the main test run, these tests skip unless ``TRITON_INTERPRET=1`` was set before
