@@ -269,7 +269,7 @@ class BatchBudget:
         per_token * bucket * (w - base)`` (``draft`` is 0 when the base width drafts too; both >= 0).
         None until two distinct token counts are measured (one cannot separate the two terms). One
         width measured on a small batch prices every batch size, so a bucket is not explored width
-        by width (at 32 requests one 24-wide round costs ~8 plain ones on the 2-core CPU)."""
+        by width (a wide round at a large batch costs several plain ones)."""
         if self._model_dirty:
             self._model_dirty = False
             self._model = None

@@ -639,7 +639,7 @@ class GraftPlanner:
         the same inputs as `build`; its floor is taken at the round's verify width ``num_nodes``
         (default N). The gate's ``retrieved`` (`RoundRetrieval`) holds what the floor was computed
         from; passed to `build` with the same inputs, the round computes its retrieved candidates
-        once (before, the eager path computed them twice: ~1,000 of a round's ~2,600 step ops)."""
+        once instead of twice."""
         est = self.calibrator.table
         hist, count = self.history.gather(slot_ids)
         factors = self.factors(slot_ids)

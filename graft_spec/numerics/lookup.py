@@ -8,7 +8,7 @@ deep as the budget (SGLang's NGRAM gets deep loop chains from its trie in the sa
 prompt lookup decoding, Saxena 2023, is the chain-only form). The chain's nodes are priced by the
 calibrator by depth and match length (member ``lookup``), so how deep it is taken is learnt.
 
-Static shapes and a fixed number of ops (~36; one comparison block per ``2**24 / (B x max_match)``
+Static shapes and a fixed number of ops (one comparison block per ``2**24 / (B x max_match)``
 candidate positions, one block at the defaults): the window is read newest first, so every
 candidate position's matched length comes from one ``[B, positions, max_match]`` comparison of a
 strided view (no copy of it) and a cumulative product instead of one pass per match length. It runs
