@@ -88,7 +88,8 @@ class FusedOp:
             if flat_name in mutated:
                 mutated.discard(flat_name)
                 alias[0] += 1
-                tp = f"{tp}(a{alias[0]}!)"
+                opt = "?" if tp.endswith("?") else ""
+                tp = f"{tp.rstrip('?')}(a{alias[0]}!){opt}"
             return f"{tp} {flat_name}"
 
         for p in sig.parameters.values():
@@ -108,7 +109,6 @@ class FusedOp:
         if mutated:
             raise ValueError(f"graft fused_op {name}: mutates unknown arguments {sorted(mutated)}")
         self.schema = f"({', '.join(flat)}) -> {self._returns(hints.get('return'))}"
-        self._names = [x.rsplit(" ", 1)[1] for x in flat]
         self._defaults = {p.name: p.default for p in sig.parameters.values() if p.default is not p.empty}
         self._op = torch.library.custom_op(f"graft::{name}", self._on_flat(cpu or reference),
                                            mutates_args=tuple(mutates), schema=self.schema)
