@@ -212,9 +212,19 @@ class GraftDraftWorker(EagleDraftWorker):
     def _build_verify_input(self, batch, draft_input, parent_list, top_scores_index, draft_tokens,
                             draft_probs, *, target_worker, topk, num_steps, num_draft_tokens,
                             tree_mask_mode, device) -> GraftVerifyInput:
-        """Same signature as ``eagle_worker_common.build_eagle_verify_input`` (:377)."""
+        """Same signature as ``eagle_worker_common.build_eagle_verify_input`` (:377): the round's
+        draft and host proposals (`_round_inputs`), the graft step (`_graft_step`), the first rank's
+        tree on every rank (`_agree_tree`), laid out in SGLang's verify format (`_layout`)."""
         if batch.forward_mode.is_idle():
             return GraftVerifyInput.create_idle_input(topk, num_steps, num_draft_tokens, device)
+        draft, roots, host, retrieved = self._round_inputs(batch, draft_input, topk, num_steps)
+        out = self._graft_step(batch, draft, roots, host, retrieved, num_draft_tokens)
+        return _layout(self._agree_tree(out, batch), batch, target_worker, tree_mask_mode, topk, num_steps)
+
+    def _round_inputs(self, batch, draft_input, topk: int, num_steps: int):
+        """``(draft, roots, host, retrieved)`` of the round: the dense draft tree from the sink (nodes
+        deeper than an eager stop depth zeroed), the roots, the host proposals (the stop gate's when
+        it ran before drafting, with its retrieval; rescrambled by an injected fault)."""
         bs = batch.seq_lens.shape[0]
         sink = self._sink
         if sink is None or sink.scores.shape[0] < bs:
@@ -233,8 +243,13 @@ class GraftDraftWorker(EagleDraftWorker):
         injected, draft = self.graft.inject_fault(host, draft)
         if injected is not host:   # fault injection scrambled this rank's host proposals: price them anew
             host, retrieved = injected, None
-        sampled = self.graft.sampled_rows(batch)
+        return draft, roots, host, retrieved
+
+    def _graft_step(self, batch, draft, roots, host, retrieved, num_draft_tokens: int) -> StepOutput:
+        """`GraftPlanner.build` of the round, contained (`RoundGuard`): a failing step, or
+        speculation switched off, gives a tree that proposes nothing (padding)."""
         graft = self.graft
+        sampled = graft.sampled_rows(batch)
 
         def build() -> StepOutput:
             graft.guard.inject()
@@ -246,14 +261,19 @@ class GraftDraftWorker(EagleDraftWorker):
         def padding() -> StepOutput:
             return StepOutput.padding(roots, batch.seq_lens, num_draft_tokens, graft.planner.calibrator.table)
 
-        out = graft.guard.call("the graft step", build, fallback=padding)
+        return graft.guard.call("the graft step", build, fallback=padding)
+
+    def _agree_tree(self, out: StepOutput, batch) -> StepOutput:
+        """With tensor parallelism every rank verifies the first rank's tree (one broadcast); the gain
+        curve stays the rank's own (only the first rank's width choice is used)."""
         group = self.graft.tp_group()
-        if group is not None:  # every rank verifies the first rank's tree (one broadcast)
-            packed, gain = out.pack(), out.gain
-            group.broadcast(packed, src=0)
-            out = StepOutput.unpack(packed, batch.seq_lens, out.estimates, out.groups, out.factors)
-            out.gain = gain  # the budget's input: only the first rank's choice is used
-        return _layout(out, batch, target_worker, tree_mask_mode, topk, num_steps)
+        if group is None:
+            return out
+        packed, gain = out.pack(), out.gain
+        group.broadcast(packed, src=0)
+        out = StepOutput.unpack(packed, batch.seq_lens, out.estimates, out.groups, out.factors)
+        out.gain = gain
+        return out
 
 
 def _layout(out: StepOutput, batch, target_worker, tree_mask_mode, topk: int, steps: int) -> GraftVerifyInput:
