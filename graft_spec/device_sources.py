@@ -21,12 +21,11 @@ from typing import Optional
 import torch
 
 from .calibration import Calibrator
-from .kernels.views import Candidates
 from .config import GraftConfig
 from .kernels.chain_part import chain_part
 from .kernels.host_part import host_part
 from .kernels.successor_part import successor_part
-from .kernels.views import ChainOptions, Prices, Windows
+from .kernels.views import Candidates, ChainOptions, Prices, Windows
 from .retrieval.buffer import HostCandidates
 from .numerics.lookup import LOOKUP_MAX_MATCH
 from .retrieval.output_ring import OutputRing

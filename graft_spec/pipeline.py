@@ -584,8 +584,8 @@ class GraftPlanner:
         proposer, with its host context). Not on the decode path.
 
         Each slot's token window becomes the tail of its context followed by the first generated
-        token (if given), its per-request correction window is emptied (`reset_slots`), and the bigrams of the
-        tokens the prefill extended warm-start the empty rows of each request's successor-table group
+        token (if given), its per-request correction window is emptied (`reset_slots`), and the bigrams
+        of the tokens the prefill extended warm-start the empty rows of each request's successor-table group
         (`SuccessorTable.warm_start`, groups from `assign_group`).
 
         Args:

@@ -34,7 +34,6 @@ from typing import Optional
 
 import torch
 
-from .kernels.views import Candidates
 from .calibration import Calibrator
 from .device_sources import RoundInputs, device_sources
 from .gate import kth_best
@@ -42,7 +41,7 @@ from .config import GraftConfig
 from .merge import merge_select
 from .kernels import tree_layout as fused_tree_layout
 from .kernels.draft_part import dense_draft_part, dense_links, draft_part
-from .kernels.views import DraftBlock, DraftOptions
+from .kernels.views import Candidates, DraftCandidates, DraftOptions
 from .kernels.host_part import reanchor_arrays
 from .kernels.observe import expected_lengths, gain_columns
 from .prune import PruneStages, prune
@@ -56,23 +55,6 @@ from .tree import DraftTree, node_depths
 
 __all__ = ["DraftCandidates", "DenseDraft", "dense_draft_candidates", "dense_logq", "tree_draft_candidates",
            "StepOutput", "GraftStep", "reanchor", "tree_layout"]
-
-
-@dataclass
-class DraftCandidates:
-    """The draft model's candidate tree of a round, root excluded.
-
-    Attributes:
-        tokens: ``int64[B, S]``.
-        parents: ``int64[B, S]``; -1 = child of the root, else the parent's index (< own index).
-        logq: ``float32[B, S]`` cumulative draft log-probability of the path (-inf = not drafted).
-        depth: ``int64[B, S]`` node depth (root = 0).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    logq: torch.Tensor
-    depth: torch.Tensor
 
 
 def dense_draft_candidates(scores: torch.Tensor, tokens: torch.Tensor, parent_list: torch.Tensor,
@@ -306,7 +288,7 @@ class GraftStep:
         if isinstance(draft, DenseDraft):
             out = dense_draft_part(draft.tokens, draft.parent_list, dense_logq(draft.scores), draft.topk, *rest)
         else:
-            out = draft_part(DraftBlock(draft.tokens, draft.parents, draft.logq, draft.depth), *rest)
+            out = draft_part(draft, *rest)
         tokens, parents, est_n, valid_n, bins_n, logq_n = out
         member = torch.full_like(tokens, SOURCE_DRAFT)
         if self.stages is None:

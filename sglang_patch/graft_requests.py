@@ -186,7 +186,8 @@ class GraftRequestTracker:
             return
         outputs = getattr(st.req, "output_ids", None)
         if outputs is not None:   # the final output tokens reach the output index before it stops
-            self.planner.catch_up(rid, st.req.origin_input_ids, outputs)
+            self.planner.catch_up(rid, st.req.origin_input_ids, outputs, tenant=tenant_of(st.req),
+                                  sampled=is_sampled(st.req))
         self.planner.stop_request(rid)
         self.finished_total += 1
         logger.info("graft request %s finished: %s live_requests=%d planner_live=%d",

@@ -67,15 +67,14 @@ from sglang.srt.runtime_context import get_spec
 from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
-from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, HostCandidates, RoundStats,
-                                 StepOutput, kernel_path, on_path_from_accept_index,
+from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, GraftStats, HostCandidates,
+                                 RoundStats, StepOutput, kernel_path, on_path_from_accept_index, prometheus_enabled,
                                  use_reference_kernels)
 from sglang_patch.args import effective_graft_config
 from sglang_patch.containment import FollowingGate, RoundGuard
 from sglang_patch.deferred_draft import DeferredDraftExtend
 from sglang_patch.graft_info import GraftVerifyInput, build_graft_verify_input, tree_mask_numel
 from sglang_patch.graft_requests import GraftRequestTracker, tenant_of
-from graft_spec.pipeline import GraftStats, prometheus_enabled
 from sglang_patch.kv_reserve import kept_widths
 from sglang_patch.plain_round import plain_decode_round
 from sglang_patch.request_features import plain_round_reason, speculates

@@ -195,7 +195,7 @@ def test_dense_draft_part_is_one_op_and_the_converted_draft_on_cpu():
     from graft_spec.config import GraftConfig
     from graft_spec.kernels import fused_ops_everywhere
     from graft_spec.kernels.draft_part import dense_draft_part, draft_part_reference
-    from graft_spec.kernels.views import DraftBlock, DraftOptions
+    from graft_spec.kernels.views import DraftOptions
     from graft_spec.pipeline import GraftPlanner
     from graft_spec.step import dense_draft_candidates, dense_logq
     from sglang_patch.bench.step import OpCounter
@@ -213,7 +213,7 @@ def test_dense_draft_part_is_one_op_and_the_converted_draft_on_cpu():
         got = dense_draft_part(dense.tokens, dense.parent_list, logq, topk, *rest)
     assert c.ops == 1 and c.names == {"dense_draft_part": 1}
     conv = dense_draft_candidates(dense.scores, dense.tokens, dense.parent_list, topk, steps)
-    want = draft_part_reference(DraftBlock(conv.tokens, conv.parents, conv.logq, conv.depth), *rest)
+    want = draft_part_reference(conv, *rest)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
     x, y = planner.build(*inputs), planner.build(conv, *inputs[1:])

@@ -42,7 +42,8 @@ def test_host_part_is_one_op_inside_fused_ops_everywhere():
     with fused_ops_everywhere(), OpCounter() as c:
         fused = host_part(*args)
     assert c.ops == 1 and c.names == {"host_part": 1}
-    assert fused[0] is not args[0].tokens and fused[5] is not args[0].member      # tokens and members: copies (an op returns no input)
+    # tokens and members: copies (an op returns no input)
+    assert fused[0] is not args[0].tokens and fused[5] is not args[0].member
     assert all(torch.equal(a, r) for a, r in zip(fused, ref))
     with OpCounter() as c:
         host_part(*args)

@@ -102,15 +102,14 @@ class RequestTracker:
         slots = np.zeros(len(req_ids), dtype=np.int64)
         for i, rid in enumerate(req_ids):
             n = int(num_tokens[i])
+            p = min(int(num_prompt_tokens[i]), n)
             r = self._reqs.get(rid)
             if r is None:
-                p = min(int(num_prompt_tokens[i]), n)
                 slot = self._free.pop() if self._free else self._new_slot()
                 self._start(rid, slot, token_ids[i, :p].tolist(), token_ids[i, p:n].tolist(),
                             bool(sampled[i]) if sampled is not None else False)
                 r = self._reqs[rid] = _Req(slot, n, n)
             elif n > r.cursor:
-                p = min(int(num_prompt_tokens[i]), n)
                 self.planner.catch_up(rid, token_ids[i, :p], token_ids[i, p:n])
                 r.cursor = n
             slots[i] = r.slot

@@ -29,7 +29,7 @@ from ..tree import order_key, path_min, pointer_rounds, top_mask
 from .common import row_arg
 from .dispatch import triton
 from .registry import fused_op
-from .views import DraftBins, DraftBlock, DraftOptions
+from .views import DraftBins, DraftCandidates, DraftOptions
 
 if triton is not None:
     import triton.language as tl
@@ -52,12 +52,12 @@ __all__ = ["draft_part", "draft_part_reference", "draft_part_triton", "dense_lin
 _Out = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def draft_part_reference(draft: DraftBlock, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
+def draft_part_reference(draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
                          opts: DraftOptions) -> _Out:
     """The rooted draft block of a round.
 
     Args:
-        draft: the draft's candidates (`DraftBlock` ``[B, S]``; parents -1 = child of the root, else
+        draft: the draft's candidates (`DraftCandidates` ``[B, S]``; parents -1 = child of the root, else
             an index below the node's own).
         roots: ``int64[B]``; sampled: ``bool[B]`` (the sampled mode's bins).
         layout: the calibrator's `DraftBins` (its table and the probability edges, ascending).
@@ -68,7 +68,7 @@ def draft_part_reference(draft: DraftBlock, roots: torch.Tensor, sampled: torch.
         kept candidates in index order (parents re-pointed; invalid ones estimate 0, bin -1).
     Source: step.py ``GraftStep._draft_part``; calibration.py ``Calibrator.draft_bins``.
     """
-    tokens, parents, logq, depth = draft
+    tokens, parents, logq, depth = draft.tokens, draft.parents, draft.logq, draft.depth
     est_table, edges, draft_depth, num_q, per_mode = layout
     pool, draft_nodes, by_logq = opts
     b, s = tokens.shape
@@ -144,7 +144,8 @@ def dense_draft_part_reference(tokens: torch.Tensor, parent_list: torch.Tensor, 
     ``parent_list`` ``int[B, W]`` and ``topk`` (`dense_links`); the other arguments and the results
     as there."""
     parents, depth = dense_links(parent_list, topk, tokens.shape[1])
-    return draft_part_reference(DraftBlock(tokens.to(torch.int64), parents, logq, depth), roots, sampled, layout, opts)
+    return draft_part_reference(DraftCandidates(tokens.to(torch.int64), parents, logq, depth), roots, sampled, layout,
+                                opts)
 
 
 if triton is not None:
@@ -238,7 +239,7 @@ if triton is not None:
         tl.store(o_logq + out, tl.where(first, 0.0, lq), mask=m)
 
 
-def draft_part_triton(draft: DraftBlock, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
+def draft_part_triton(draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
                       opts: DraftOptions) -> _Out:
     """`draft_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``). Same arguments and results.
@@ -294,7 +295,7 @@ def _launch(tokens: torch.Tensor, links: torch.Tensor, logq: torch.Tensor, depth
     return o_tok, o_par, o_est, o_valid, o_bins, o_logq
 
 
-def _draft_part_fake(draft: DraftBlock, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
+def _draft_part_fake(draft: DraftCandidates, roots: torch.Tensor, sampled: torch.Tensor, layout: DraftBins,
                      opts: DraftOptions) -> _Out:
     return _fake_outputs(draft.tokens, opts.pool)
 

@@ -5,7 +5,8 @@ into `calibration.linear_correction`'s ``(scale, under)``; members outside the c
 identity. Reference: `factors_reference` (torch). Fused: `_factors_kernel`, one Triton
 program per request doing the same float operations in the same order, compiled without fused
 multiply-add, so the two agree bit for bit. The op ``graft::request_factors`` has the reference as
-its CPU implementation and the kernel as its CUDA implementation; `request_factors` is registered by `registry.fused_op`.
+its CPU implementation and the kernel as its CUDA implementation; `request_factors` is registered by
+`registry.fused_op`.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ if triton is not None:
 __all__ = ["host_part", "host_part_reference", "host_part_triton"]
 
 
+#: a `Candidates` block's fields ``(tokens, parents, est, valid, bins, member)``
+_Out = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def reanchor_arrays(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Tensor, match: torch.Tensor,
                     member: torch.Tensor, anchor_len: torch.Tensor, hist: torch.Tensor, count: torch.Tensor,
                     seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -82,7 +86,7 @@ def reanchor_arrays(tokens: torch.Tensor, parents: torch.Tensor, logp: torch.Ten
 
 
 def host_part_reference(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
-                        layout: RetrievalBins) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        layout: RetrievalBins) -> _Out:
     """The host proposals re-anchored at the device's root and priced: ``HostProposalSource.propose``
     (graft_spec/device_sources.py; step.py: `reanchor`, then ``Calibrator.retrieval_bins`` and
     `numerics.correction.price`).
@@ -211,7 +215,7 @@ if triton is not None:
 
 
 def host_part_triton(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
-                     layout: RetrievalBins) -> tuple[torch.Tensor, ...]:
+                     layout: RetrievalBins) -> _Out:
     """`host_part_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``): ``(tokens, parents, est, valid, bins, member)``, the tokens and members
     copied out by the kernel (an op may not return its inputs). The candidate fields are read in
@@ -254,13 +258,13 @@ def host_part_triton(host: HostBlock, win: Windows, seq_lens: torch.Tensor, samp
 
 
 def _host_part_cpu(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
-                   layout: RetrievalBins) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   layout: RetrievalBins) -> _Out:
     out = host_part_reference(host, win, seq_lens, sampled, prices, layout)
     return out[0].clone(), out[1], out[2], out[3], out[4], out[5].clone()   # an op returns no input
 
 
 def _host_part_fake(host: HostBlock, win: Windows, seq_lens: torch.Tensor, sampled: torch.Tensor, prices: Prices,
-                    layout: RetrievalBins) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    layout: RetrievalBins) -> _Out:
     b, m = host.tokens.shape
     i64 = lambda: host.tokens.new_empty((b, m), dtype=torch.int64)  # noqa: E731
     return (i64(), i64(), host.tokens.new_empty((b, m), dtype=torch.float32),

@@ -1,12 +1,14 @@
 """The verify layout of a tree in one kernel: depth, positions, ancestor mask and sibling links.
 
-Reference: `layout_reference` (pointer jumping over ``[B, N]`` tensors, graft_spec/tree.py). Fused: `_layout_kernel`, one Triton program per request that walks every node's ancestors
-with a fixed N steps (parents < own index, so no path is longer than N) and compares the parent row
-with itself for the sibling links. The outputs are integers and booleans, so the two agree exactly.
+Reference: `layout_reference` (pointer jumping over ``[B, N]`` tensors, graft_spec/tree.py). Fused:
+`_layout_kernel`, one Triton program per request that walks every node's ancestors with a fixed N
+steps (parents < own index, so no path is longer than N) and compares the parent row with itself
+for the sibling links. The outputs are integers and booleans, so the two agree exactly.
 
 The op ``graft::tree_layout`` (`registry.fused_op`) has the reference as its CPU implementation
-and the Triton kernel as its CUDA implementation; on CPU the step runs the reference directly. Source of the output contract: SGLang's ``build_tree_kernel_efficient``
-(``eagle_utils.py:138``; ``retrive_next_token`` / ``retrive_next_sibling``).
+and the Triton kernel as its CUDA implementation; on CPU the step runs the reference directly.
+Source of the output contract: SGLang's ``build_tree_kernel_efficient`` (``eagle_utils.py:138``;
+``retrive_next_token`` / ``retrive_next_sibling``).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def layout_triton(parents: torch.Tensor, seq_lens: torch.Tensor
     return depth, pos, mask, first, nxt
 
 
-def _layout_fake(parents: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layout_fake(parents: torch.Tensor, seq_lens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, n = parents.shape
     e = parents.new_empty((b, n), dtype=torch.int64)
     return e, e.clone(), parents.new_empty((b, n, n), dtype=torch.bool), e.clone(), e.clone()

@@ -124,11 +124,15 @@ class FusedOp:
             return "(" + ", ".join(_schema_type(a) for a in typing.get_args(tp)) + ")"
         return _schema_type(tp)
 
+    def _arguments(self, args: tuple, kwargs: dict):
+        """``(param, value)`` of a call with the reference's signature, defaults filled in."""
+        for i, p in enumerate(self._params):
+            yield p, (args[i] if i < len(args) else kwargs.get(p.name, self._defaults.get(p.name)))
+
     def flatten(self, *args: Any, **kwargs: Any) -> list:
         """The op's flat schema arguments of a call with the reference's signature."""
         out: list = []
-        for i, p in enumerate(self._params):
-            v = args[i] if i < len(args) else kwargs.get(p.name, self._defaults.get(p.name))
+        for p, v in self._arguments(args, kwargs):
             if p.view is None:
                 out.append(v)
             elif v is None:
@@ -159,27 +163,22 @@ class FusedOp:
 
     def __call__(self, *args: Any, **kwargs: Any):
         """The reference's contract: the op where `fused_kernels_for` says so, the reference elsewhere."""
-        first = _first_tensor(args, kwargs)
+        first = self._first_tensor(args, kwargs)
         if first is not None and fused_kernels_for(first) and (self._when is None or self._when(*args, **kwargs)):
             return getattr(torch.ops.graft, self.name)(*self.flatten(*args, **kwargs))
         return self.reference(*args, **kwargs)
 
-
-def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
-    """The first tensor among the arguments, looking into views (the device a call runs on)."""
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v
-        if isinstance(v, tuple) and hasattr(v, "_fields"):
-            for x in v:
+    def _first_tensor(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        """The first tensor among a call's arguments and their views' fields (the device it runs on)."""
+        for p, v in self._arguments(args, kwargs):
+            if p.view is None:
+                values = (v,)
+            else:
+                values = () if v is None else (getattr(v, f) for f in p.fields)
+            for x in values:
                 if isinstance(x, torch.Tensor):
                     return x
-        elif dataclasses.is_dataclass(v):
-            for f in dataclasses.fields(v):
-                x = getattr(v, f.name)
-                if isinstance(x, torch.Tensor):
-                    return x
-    return None
+        return None
 
 
 def fused_op(name: str, reference: Callable, fake: Callable, kernel: Optional[Callable] = None,

@@ -52,6 +52,10 @@ __all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select_refer
 _CAPS = {"never": 0, "greedy": 1, "always": 2}
 
 
+#: ``(tokens, parents, logp, source, member_bins, gain)`` of `merge_select_reference`
+_Out = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def path_hashes(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """64-bit polynomial hash of every node's root path (root token included).
 
@@ -154,7 +158,7 @@ def sibling_caps(est: torch.Tensor, key: torch.Tensor, parents: torch.Tensor, li
 
 
 def merge_select_reference(cands: Candidates, opts: SelectOptions, sampled: Optional[torch.Tensor],
-                           agreement: Optional[Agreement]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                           agreement: Optional[Agreement]) -> _Out:
     """`merge_select` in torch over its arguments flattened (the schema of the op
     ``graft::merge_select``, graft_spec/kernels/select.py, whose CPU implementation this is).
 
@@ -583,7 +587,7 @@ if triton is not None:
 
 
 def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torch.Tensor],
-                  agreement: Optional[Agreement]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  agreement: Optional[Agreement]) -> _Out:
     """`merge_select_reference` as one Triton launch (CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``), the log of the estimates taken in the kernel. Same arguments and
     results: bit for bit except ``logp``, whose ``log`` is the device's (equal to the reference's
@@ -629,7 +633,7 @@ def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torc
 
 
 def _select_fake(cands: Candidates, opts: SelectOptions, sampled: Optional[torch.Tensor],
-                 agreement: Optional[Agreement]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 agreement: Optional[Agreement]) -> _Out:
     b, n = cands.tokens.shape[0], opts.num_nodes
     tok = cands.tokens.new_empty((b, n), dtype=torch.int64)
     return (tok, tok.clone(), cands.est.new_empty((b, n), dtype=torch.float32),

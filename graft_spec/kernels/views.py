@@ -14,7 +14,7 @@ Each view is flattened to the op's schema in one place (`kernels.registry`). Who
 | `RingView` | `OutputRing.view` |
 | `SuccessorView` | `SuccessorTable.view` |
 | `HostBlock` | `HostCandidates.block` |
-| `DraftBlock` | `DraftCandidates` fields (step.py) |
+| `DraftCandidates` | the draft's candidate tree (`step.tree_draft_candidates`, `dense_draft_candidates`) |
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from .stack import stack_candidates
 
-__all__ = ["Candidates", "Windows", "Prices", "RetrievalBins", "DraftBins", "CalibrationState", "RingView",
-           "SuccessorView", "HostBlock", "DraftBlock", "ChainOptions", "DraftOptions", "SelectOptions", "Agreement",
+__all__ = ["Candidates", "DraftCandidates", "Windows", "Prices", "RetrievalBins", "DraftBins", "CalibrationState",
+           "RingView", "SuccessorView", "HostBlock", "ChainOptions", "DraftOptions", "SelectOptions", "Agreement",
            "RefreshIndex", "RefreshOptions", "RoundOutcome", "Commit", "ObserveOptions"]
 
 
@@ -131,9 +131,16 @@ class HostBlock(NamedTuple):
     anchor_len: torch.Tensor
 
 
-class DraftBlock(NamedTuple):
-    """The draft's candidates ``[B, S]`` (`DraftCandidates`, step.py): ``tokens``, ``parents`` (-1 =
-    child of the root), ``logq`` float32 path log-probability, ``depth`` int64 (root = 0)."""
+@dataclass
+class DraftCandidates:
+    """The draft model's candidate tree of a round, root excluded.
+
+    Attributes:
+        tokens: ``int64[B, S]``.
+        parents: ``int64[B, S]``; -1 = child of the root, else the parent's index (< own index).
+        logq: ``float32[B, S]`` cumulative draft log-probability of the path (-inf = not drafted).
+        depth: ``int64[B, S]`` node depth (root = 0).
+    """
 
     tokens: torch.Tensor
     parents: torch.Tensor

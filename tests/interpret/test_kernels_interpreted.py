@@ -100,7 +100,7 @@ def _draft_case(b: int, n: int, seed: int, mode: str):
 def test_draft_part_kernel_equals_reference(b, n, seed, mode, by_logq, draft_nodes):
     from graft_spec.config import GraftConfig
     from graft_spec.kernels.draft_part import draft_part_reference, draft_part_triton
-    from graft_spec.kernels.views import DraftBlock, DraftOptions
+    from graft_spec.kernels.views import DraftOptions
     from graft_spec.pipeline import GraftPlanner
 
     from test_core_step import SHAPES
@@ -110,8 +110,7 @@ def test_draft_part_kernel_equals_reference(b, n, seed, mode, by_logq, draft_nod
     cal = GraftPlanner(GraftConfig(num_draft_tokens=n, topk=topk, depth=steps), 500).calibrator
     table = torch.rand(cal.table.shape, generator=torch.Generator().manual_seed(seed))
     table[::7] = table[::7].round(decimals=1)                                 # equal estimates: ties
-    args = (DraftBlock(draft.tokens, draft.parents, draft.logq, draft.depth), roots, sampled, cal.draft_view(table),
-            DraftOptions(n, draft_nodes, by_logq))
+    args = (draft, roots, sampled, cal.draft_view(table), DraftOptions(n, draft_nodes, by_logq))
     for name, f, r in zip(("tokens", "parents", "est", "valid", "bins", "logq"), draft_part_triton(*args),
                           draft_part_reference(*args)):
         assert f.dtype == r.dtype and f.shape == r.shape, name
