@@ -193,17 +193,26 @@ class Calibrator:
                                              for m in range(NUM_MEMBERS)], device=self.device)
         # [2 modes, retrieval members, depth bins, q bins * match bins] indices of the retrieval bins
         per = layout.num_q * layout.num_match
-        first = torch.tensor([[mode * layout.per_mode + layout.offset(m) for m in
-                               RETRIEVAL_SOURCES] for mode in (0, 1)], device=self.device)
-        self._retr_idx = (first[:, :, None, None] + torch.arange(layout.num_depth, device=self.device)[:, None] * per
-                          + torch.arange(per, device=self.device)).contiguous()
+        first = torch.tensor([[mode * layout.per_mode + layout.offset(m) for m in RETRIEVAL_SOURCES]
+                              for mode in (0, 1)])
+        retr_idx = first[:, :, None, None] + torch.arange(layout.num_depth)[:, None] * per + torch.arange(per)
         # the chain's prior weight per depth bin, ``[D, 1]``: 0 at the shallowest (its prior is fixed)
         self._chain_weight = torch.tensor([0.0, *(self.w * CHAIN_DECAY ** (b - a)
                                                   for a, b in zip(_DEPTH_MID[:-1], _DEPTH_MID[1:]))],
                                           device=self.device)[:, None]
         agree = layout.offset(SOURCE_AGREE)
-        self._agree_idx = torch.stack([mode * layout.per_mode + agree + torch.arange(layout.draft_bins, device=self.device)
-                                       for mode in (0, 1)])                       # [2 modes, agreement bins]
+        agree_idx = torch.stack([mode * layout.per_mode + agree + torch.arange(layout.draft_bins)
+                                 for mode in (0, 1)])                             # [2 modes, agreement bins]
+        # the bins in neither block (built on the host: the layout alone decides them)
+        blocks = torch.cat([agree_idx.reshape(-1), retr_idx.reshape(-1)])
+        if blocks.unique().numel() != blocks.numel():
+            raise ValueError("Calibrator: the agreement and retrieval bin blocks overlap")
+        plain_idx = (~torch.zeros(layout.size + 1, dtype=torch.bool).index_fill_(0, blocks, True)).nonzero()
+        self._retr_idx = retr_idx.contiguous().to(self.device)
+        self._agree_idx = agree_idx.to(self.device)
+        self._plain_idx = plain_idx.reshape(-1).to(self.device)
+        #: the fused refresh's count of programs that have read the source windows (its kernel resets it)
+        self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
         n = layout.size + 1
         self.hits = torch.zeros(n, device=self.device)
         self.trials = torch.zeros(n, device=self.device)
@@ -269,6 +278,11 @@ class Calibrator:
         """The counts and estimates as the fused ops read and write them (`CalibrationState`)."""
         return CalibrationState(self.hits, self.trials, self.prior, self.recent, self._group, self._base, self.table)
 
+    @property
+    def refresh_index(self) -> RefreshIndex:
+        """The bin groups the refresh reads (`RefreshIndex`)."""
+        return RefreshIndex(self._agree_idx, self._retr_idx, self._chain_weight, self._plain_idx, self._arrivals)
+
     # ------------------------------------------------------------------ priors / estimates
     def _prior(self, successor_prior: torch.Tensor) -> torch.Tensor:
         lay = self.layout
@@ -306,7 +320,7 @@ class Calibrator:
         1)``): they are sparse (depth x draft probability) and their ``sqrt(q)`` prior is far below
         what agreement is worth, so a bin seen a few times would lag its rate.
         """
-        refresh_table(self.state_view, RefreshIndex(self._agree_idx, self._retr_idx, self._chain_weight),
+        refresh_table(self.state_view, self.refresh_index,
                       RefreshOptions(self.w, self.halve_at, self.source_window, self.SOURCE_PSEUDO_TRIALS))
         return self.table
 

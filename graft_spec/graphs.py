@@ -6,11 +6,16 @@ times both on a GPU). SGLang captures its own draft forwards and tree build the 
 (``cuda_graph_runner``, ``eagle_draft_cuda_graph_runner.py``).
 
 `StepGraphs` captures one graph per (batch bucket, verify width) over static input buffers: a
-round copies its inputs (the draft as SGLang's dense tree, `DenseDraft`, which the step reads as
-it is; the host proposals as the one block they were uploaded in) into the first ``B`` rows of the
-smallest bucket that holds the batch (padding rows keep earlier valid values, their trees are
-dropped), replays, and clones the first ``B`` rows of the outputs (graphs share one memory pool, so
-a later replay may reuse an earlier one's output memory). The planner's tables (calibration counts,
+round replays the smallest bucket that holds the batch after its inputs are in the first ``B`` rows
+(padding rows keep earlier valid values, their trees are dropped). The draft, SGLang's dense tree
+(`DenseDraft`, which the step reads as it is), is written there by the engine in place: every
+bucket reads the first rows of one draft buffer, the caller's own when it passes ``draft_buffer``
+(the SGLang worker passes the buffers its draft calls write), and a round's draft that already
+lies there is not copied; the other inputs (the host proposals as the one block they were uploaded
+in, roots, slots, lengths, sampled rows) are copied in. The outputs are views of the first ``B``
+rows of the graph's own output buffers, not copies: they stay valid until the next `build` (graphs
+share one memory pool, so a later replay may reuse them), which on a stream comes after everything
+the round enqueued on them (verify, observe). The planner's tables (calibration counts,
 successor table, token history, per-request correction windows) are read inside the graph at their
 fixed addresses: they are updated in place by `GraftPlanner.observe` and must not be reallocated
 after `capture` (size the per-slot state first, `GraftPlanner.ensure_slots`).
@@ -63,10 +68,13 @@ class _Static:
     sampled: torch.Tensor
 
     def load(self, draft: DenseDraft, roots, host: HostCandidates, slots, seq_lens, sampled) -> None:
-        """Copy a batch of ``B <= bucket`` rows into the first ``B`` rows (device copies only)."""
+        """Copy a batch of ``B <= bucket`` rows into the first ``B`` rows (device copies only; a draft
+        field already written in place, the same memory, is not copied)."""
         b = roots.shape[0]
         for name in ("scores", "tokens", "parent_list"):
-            getattr(self.draft, name)[:b].copy_(getattr(draft, name))
+            dst, src = getattr(self.draft, name), getattr(draft, name)
+            if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+                dst[:b].copy_(src)
         host.pack_into(self.host_block)
         self.roots[:b].copy_(roots)
         self.slots[:b].copy_(slots)
@@ -75,10 +83,11 @@ class _Static:
 
 
 def _rows(out: StepOutput, b: int) -> StepOutput:
-    """Clones of the first ``b`` rows of a replayed `StepOutput` (estimates: the calibrator's persistent
-    table itself, which the build reads and `GraftPlanner.observe` refreshes; factors: their first ``b`` rows)."""
-    tree = DraftTree(*(t[:b].clone() for t in (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source)))
-    cut = lambda t: None if t is None else t[:b].clone()  # noqa: E731
+    """The first ``b`` rows of a replayed `StepOutput`, as views of the graph's output buffers (valid
+    until the next replay; estimates: the calibrator's persistent table itself, which the build
+    reads and `GraftPlanner.observe` refreshes)."""
+    tree = DraftTree(*(t[:b] for t in (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source)))
+    cut = lambda t: None if t is None else t[:b]  # noqa: E731
     return StepOutput(tree, cut(out.member_bins), cut(out.depth), cut(out.positions), cut(out.mask),
                       cut(out.first_child), cut(out.next_sibling), out.estimates, cut(out.groups),
                       cut(out.gain), None if out.factors is None else tuple(cut(t) for t in out.factors))
@@ -93,12 +102,16 @@ class StepGraphs:
         buckets: batch sizes to capture, e.g. SGLang's ``cuda_graph_bs``; a batch is padded up to the
             smallest bucket that holds it.
         widths: verify widths to capture (>= 2; default the planner's, see `GraftConfig.verify_widths`).
+        draft_buffer: the `DenseDraft` buffers (at least the largest bucket's rows, the same ``topk``
+            and ``steps``) the engine's draft calls write and the graphs read in place, or None
+            (the graphs' own; every round's draft is copied in).
     Raises:
-        ValueError: no bucket, a bucket < 1, or a width outside 2..N.
+        ValueError: no bucket, a bucket < 1, a width outside 2..N, or a ``draft_buffer`` of another
+            shape.
     """
 
     def __init__(self, planner: Planner, topk: int, steps: int, buckets: Sequence[int],
-                 widths: Optional[Sequence[int]] = None):
+                 widths: Optional[Sequence[int]] = None, draft_buffer: Optional[DenseDraft] = None):
         n = planner.config.num_draft_tokens
         self.planner, self.topk, self.steps = planner, int(topk), int(steps)
         self.draft_width = self.topk + (self.steps - 1) * self.topk ** 2
@@ -108,6 +121,14 @@ class StepGraphs:
             raise ValueError(f"StepGraphs: buckets {list(buckets)} must be >= 1")
         if any(not 2 <= w <= n for w in self.widths):
             raise ValueError(f"StepGraphs: widths {list(self.widths)} must lie in 2..{n}")
+        self.draft_buffer = draft_buffer if draft_buffer is not None else self._own_draft(self.buckets[-1])
+        d = self.draft_buffer
+        if ((d.topk, d.steps) != (self.topk, self.steps) or d.tokens.shape[0] < self.buckets[-1]
+                or d.tokens.shape[1] != self.draft_width or d.scores.shape != d.tokens.shape
+                or d.parent_list.shape[1] != 1 + (self.steps - 1) * self.topk):
+            raise ValueError(f"StepGraphs: draft_buffer of shape {tuple(d.tokens.shape)} (topk {d.topk}, steps "
+                             f"{d.steps}) does not hold {self.buckets[-1]} rows of {self.draft_width} candidates "
+                             f"(topk {self.topk}, steps {self.steps})")
         self._static: Dict[int, _Static] = {}
         self._graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.replays = 0
@@ -118,13 +139,19 @@ class StepGraphs:
         """Graphs captured so far."""
         return len(self._graphs)
 
-    def _make_static(self, bucket: int) -> _Static:
+    def _own_draft(self, rows: int) -> DenseDraft:
         dev, s = self.planner.device, self.draft_width
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        return DenseDraft(torch.zeros(rows, s, device=dev), z(rows, s),
+                          z(rows, 1 + (self.steps - 1) * self.topk) - 1,   # the draft sink's width
+                          self.topk, self.steps)
+
+    def _make_static(self, bucket: int) -> _Static:
+        dev = self.planner.device
         m = self.planner.buffer.width
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        draft = DenseDraft(torch.zeros(bucket, s, device=dev), z(bucket, s),
-                           z(bucket, 1 + (self.steps - 1) * self.topk) - 1,   # the draft sink's width
-                           self.topk, self.steps)
+        d = self.draft_buffer
+        draft = DenseDraft(d.scores[:bucket], d.tokens[:bucket], d.parent_list[:bucket], self.topk, self.steps)
         host_block = z(bucket, 5, m + 1)
         HostCandidates.empty(bucket, m, dev).pack_into(host_block)
         slots = torch.arange(bucket, device=dev).clamp(max=self.planner.history.tokens.shape[0] - 1)

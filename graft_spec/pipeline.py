@@ -483,21 +483,22 @@ class GraftPlanner:
         return self.build_eager(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes, retrieved)
 
     def capture_graphs(self, topk: int, steps: int, buckets: Sequence[int], widths: Sequence[int],
-                       replay: bool) -> StepGraphs:
+                       replay: bool, draft_buffer: Optional[DenseDraft] = None) -> StepGraphs:
         """Capture the step per (batch bucket, verify width) (`StepGraphs.capture`; ``replay``
         False: run each once eagerly instead, `StepGraphs.warm_up`, so the fused kernels compile at
         start-up). With ``replay``, `build` replays them from now on.
 
         Args:
             topk, steps: the dense draft's shape (`DenseDraft`); buckets: batch sizes; widths:
-                verify widths (2..N).
+                verify widths (2..N); draft_buffer: the engine's draft buffers the graphs read in
+                place (`StepGraphs`), or None.
         Returns:
             The `StepGraphs`.
         Raises:
             RuntimeError: ``replay`` on a planner not on a CUDA device; whatever a compile or a
                 capture raises (the planner's graphs stay as they were).
         """
-        graphs = StepGraphs(self, topk, steps, buckets, widths)
+        graphs = StepGraphs(self, topk, steps, buckets, widths, draft_buffer)
         graphs.capture() if replay else graphs.warm_up()
         if replay:
             self.graphs = graphs

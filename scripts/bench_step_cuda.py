@@ -10,15 +10,15 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
   them after the draft graph (wall time per round with a device synchronise at the end; this is the
   launch-bound cost the GPU sees when nothing else hides it);
 * ``graphs``: what the worker runs on CUDA: `graft_spec.graphs.StepGraphs` replays ``build`` from a
-  CUDA graph (input copies, one replay, output clones) and ``observe`` runs eagerly (wall time per
+  CUDA graph (input copies, one replay; the outputs are views) and ``observe`` runs eagerly (wall time per
   round with a synchronise). Capture succeeding is itself the check that the step has no host read,
   no host-to-device copy of a fresh Python value and no data-dependent shape; every replayed tree
   is compared with an eager build of the same inputs;
 * ``host_side``: the host work that runs off the critical path (suffix proposals + buffer fill for
   the batch, CPU wall time), overlapped with drafting on a GPU.
 
-Rows also carry the kernels one build replay, one whole replayed build (with its input copies and
-output clones) and one observe launch (from the profiler), and whether
+Rows also carry the kernels one build replay, one whole replayed build (with its input copies; the
+outputs are views) and one observe launch (from the profiler), and whether
 the last replayed tree equals an eager build of the same inputs (the replays run back to back, with
 no eager build between them, as in the server) and that build equals one with every fused kernel's
 torch reference (``fused_trees_equal_reference``). ``--forward`` adds, in the same run, the verify
@@ -226,7 +226,7 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     kernels = _kernels(lambda: graph.replay(), sync)
     x, _ = inputs()
     args = (dense(x), x["roots"], x["host"], slots, x["seq"], torch.zeros(b, dtype=torch.bool, device=dev))
-    build_kernels = _kernels(lambda: graphs.build(*args), sync)   # input copies + replay + output clones
+    build_kernels = _kernels(lambda: graphs.build(*args), sync)   # input copies + replay (the outputs are views)
     out = graphs.build(*args)
     observe_kernels = _kernels(lambda: observe(out, x), sync)
     row.update(graphs_ms_per_round=_median_ms(graph_t), graph_kernels_per_replay=kernels,

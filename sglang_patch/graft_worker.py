@@ -502,10 +502,13 @@ class GraftWorker(EAGLEWorkerV2):
         self._slots()  # the token history is read inside the graphs: size it before capture
         graphed = not _ev2.check_cuda_graph_backend(_ev2.Phase.DECODE, _ev2.Backend.DISABLED)
         buckets = _ev2.get_exec().graph.cuda_graph_bs_decode if graphed else [1]
+        # the graphs read the draft where the draft calls write it (no copy per round)
+        sink = self._draft_worker._ensure_sink(max(buckets))
+        draft_buffer = DenseDraft(sink.scores, sink.tokens, sink.parents, self.topk, self.speculative_num_steps)
         for attempt in ("fused", "reference"):
             try:
                 graphs = self.planner.capture_graphs(self.topk, self.speculative_num_steps, buckets, self.widths,
-                                                     replay=graphed)
+                                                     replay=graphed, draft_buffer=draft_buffer)
             except Exception as exc:  # noqa: BLE001 - a compile or capture error of graft's step
                 cause = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 if attempt == "fused" and kernel_path() == "fused":

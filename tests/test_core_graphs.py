@@ -108,6 +108,32 @@ def test_static_buffers_give_the_eager_tree_on_cpu(b, width, packed):
         assert torch.equal(rows(x), y)
 
 
+
+def test_a_draft_written_in_place_is_not_copied():
+    """With the engine's draft buffers (``draft_buffer``), every bucket reads their first rows, and a
+    round whose draft already lies there loads only the other inputs; a draft elsewhere is copied
+    in. A buffer that cannot hold the largest bucket is refused."""
+    planner = _planner("cpu")
+    draft, roots, host, slots, seq_lens, sampled = _inputs(3, 2, "cpu", planner.buffer.width)
+    buffer = DenseDraft(torch.zeros(16, S), torch.zeros(16, S, dtype=torch.int64),
+                        torch.full((16, 1 + TOPK * (STEPS - 1)), -1, dtype=torch.int64), TOPK, STEPS)
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4, 16], draft_buffer=buffer)
+    st4, st16 = graphs._make_static(4), graphs._make_static(16)
+    assert st4.draft.tokens.data_ptr() == st16.draft.tokens.data_ptr() == buffer.tokens.data_ptr()
+    for name in ("scores", "tokens", "parent_list"):              # the engine's draft call writes in place
+        getattr(buffer, name)[:3].copy_(getattr(draft, name))
+    in_place = DenseDraft(buffer.scores[:3], buffer.tokens[:3], buffer.parent_list[:3], TOPK, STEPS)
+    with OpCounter() as load:
+        st4.load(in_place, roots, host, slots, seq_lens, sampled)
+    assert load.ops == 8 + 4                                      # host proposals, roots / slots / lengths / sampled
+    want = planner.build(draft, roots, host, slots, seq_lens, sampled, num_nodes=12)
+    assert torch.equal(graphs._call(st4, 12).tree.tokens[:3], want.tree.tokens)
+    with OpCounter() as load:
+        st4.load(draft, roots, host, slots, seq_lens, sampled)
+    assert load.ops == 3 + 8 + 4
+    with pytest.raises(ValueError, match="draft_buffer"):
+        StepGraphs(planner, TOPK, STEPS, buckets=[4, 32], draft_buffer=buffer)
+
 @cuda
 def test_replay_equals_eager_for_padded_batches_and_updated_tables():
     planner = _planner("cuda")

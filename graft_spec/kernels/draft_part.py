@@ -6,9 +6,9 @@ the ranking is ancestor-closed, ties to the lower index); the N - 1 best are kep
 under the round's root (step.py ``GraftStep._draft_part``).
 
 Reference: `draft_part_reference` (torch). Fused: `_draft_kernel`, one Triton program per
-request: `path_min` by the reference's pointer jumping through a scratch row, the top N - 1 by
-counting the candidates with a larger `tree.order_key` (tiles of the row against chunks of it),
-compaction by a cumulative sum. Minima, counts and gathers are exact, so the two agree bit for
+request: `path_min` by the reference's pointer jumping through a scratch row, the top N - 1 as the
+candidates whose `tree.order_key` (distinct per candidate) is at least the (N - 1)-th of a bitonic
+``tl.topk``, compaction by a cumulative sum. Minima, counts and gathers are exact, so the two agree bit for
 bit. The op ``graft::draft_part`` has the reference as its CPU implementation and the kernel as its
 CUDA implementation; `draft_part` is registered by `registry.fused_op`.
 
@@ -155,14 +155,15 @@ if triton is not None:
                       s_tok, s_par, s_lq, s_dep, S: tl.constexpr, K: tl.constexpr, NE: tl.constexpr,
                       DD: tl.constexpr, NQ: tl.constexpr,
                       PER_MODE: tl.constexpr, DRAFT_NODES: tl.constexpr, BY_LOGQ: tl.constexpr,
-                      ROUNDS: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr,
+                      ROUNDS: tl.constexpr, BS: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                       TOPK: tl.constexpr, W: tl.constexpr):
         """One request per program; candidates as lanes (``BS`` >= S + 1, lane 0 = the root).
         ``TOPK`` > 0: a dense tree, ``par_ptr`` its ``parent_list`` ``[B, W]`` (`dense_links`), no depths.
         Inputs are read through their row strides ``s_*`` (views such as a tree's columns 1:).
 
         Work per program: the bins O(S * NE); `path_min` O(S log S) in ``ROUNDS`` barriered rounds;
-        the top-K rank O(S**2) int64 comparisons in ``BS / BJ`` steps of ``[BS, BJ]`` tiles."""
+        the top K a bitonic top-``KP`` (``KP`` = K rounded up to a power of two), O(S log**2 KP), no
+        barrier; the compaction one scan and one barriered gather."""
         b = tl.program_id(0)
         lane = tl.arange(0, BS)
         c = lane - 1                                        # candidate index of lane (root: -1)
@@ -207,19 +208,14 @@ if triton is not None:
             up = tl.load(frow + ptr)
             val = tl.where((val != val) | (up != up), val + up, tl.minimum(val, up))   # NaN spreads, as torch.minimum
             ptr = tl.load(irow + ptr)
-        # the K best by order_key (ties: lower candidate index)
-        okey = _order_key(val, cs)
-        okey = tl.where(live, okey, -9223372036854775807)
-        tl.debug_barrier()
-        krow = iscratch_ptr + b * (BS + 1)
-        tl.store(krow + lane, okey)
-        tl.debug_barrier()
-        above = tl.zeros([BS], dtype=tl.int32)
-        for start in range(0, BS, BJ):
-            j = start + tl.arange(0, BJ)
-            kj = tl.load(krow + j, mask=j < BS, other=-9223372036854775807)
-            above += tl.sum((kj[None, :] > okey[:, None]).to(tl.int32), axis=1)
-        sel = live & (above < K)
+        # the K best by order_key (ties: lower candidate index): keys above the K-th of a top-KP
+        okey = tl.where(live, _order_key(val, cs), -9223372036854775807)
+        if K > 0:
+            top = tl.topk(okey, KP)                                         # descending, live keys distinct
+            kth = tl.min(tl.where(tl.arange(0, KP) < K, top, 9223372036854775807), axis=0)
+            sel = live & (okey >= kth)
+        else:
+            sel = lane < 0
         rank = tl.cumsum(sel.to(tl.int32), axis=0)                        # 1-based output index
         pos = tl.where(sel, rank, -1)
         tl.debug_barrier()
@@ -290,7 +286,8 @@ def _launch(tokens: torch.Tensor, links: torch.Tensor, logq: torch.Tensor, depth
                             o_tok, o_par, o_est, o_valid, o_bins, o_logq, scratch, iscratch, s_tok, s_par, s_lq, s_dep,
                             S=s, K=k, NE=edges.numel(), DD=draft_depth, NQ=num_q, PER_MODE=per_mode,
                             DRAFT_NODES=bool(draft_nodes), BY_LOGQ=bool(by_logq), ROUNDS=pointer_rounds(s + 2),
-                            BS=bs, BJ=16, BE=triton.next_power_of_2(max(edges.numel(), 2)),
+                            BS=bs, KP=min(bs, triton.next_power_of_2(max(k, 2))),
+                            BE=triton.next_power_of_2(max(edges.numel(), 2)),
                             TOPK=int(topk), W=links.shape[1] if topk else 0)
     return o_tok, o_par, o_est, o_valid, o_bins, o_logq
 

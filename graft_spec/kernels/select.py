@@ -6,12 +6,14 @@ row's U candidates as vectors:
 
 - a gather ``x[idx]`` stores ``x`` into the row's scratch, syncs the program and loads at ``idx``,
   so the path hashes and `path_min` run the reference's pointer jumping round for round;
-- a scatter-reduce by group (dedupe buckets, best member, member bins) and the ranks (the
-  reference's stable sorts and top-k: the candidates with a larger `order_key`) are ``U x U``
-  comparisons reduced over one axis, ``BLOCK x BJ`` at a time: the j side is stored into the
-  row's scratch and read back ``BJ = max(8, 4096 / BLOCK)`` lanes per loop step (at most BLOCK),
-  so a tile is at most 4,096 elements, 16 per thread at 8 warps, whatever U (whole ``BLOCK**2``
-  tiles spill registers and make the compiled code grow with ``U**2``);
+- a scatter-reduce by group (dedupe buckets, best member, member bins) is an atomic min / max into
+  the row's scratch table (initialised in the kernel), one barrier, and a load: the reference's
+  ``scatter_reduce``, exact in any order;
+- a rank (the reference's stable sorts and top-k) is a position in one bitonic ``tl.sort`` (or
+  ``tl.topk``) of int64 order keys whose low 20 bits carry the lane (`tree.order_key`), so the keys
+  are distinct and the sort is the stable order: the lane at each position is read off the sorted
+  key, no ``U x U`` comparison; the sibling order sorts (parent, key) packed into one int64 and finds
+  each sibling group's start by an associative scan;
 - the prefix sums (`sibling_caps`' and the gain curve's) are sums of estimates in 2**-32 fixed
   point (`calibration.to_fixed`), so they are exact in any order: one ``tl.cumsum`` over the row's
   lanes, no loop over candidates, equal to the reference's ``torch.cumsum`` bit for bit on any
@@ -50,6 +52,8 @@ __all__ = ["path_hashes", "canonical_nodes", "sibling_caps", "merge_select_refer
            "merge_select_op"]
 
 _CAPS = {"never": 0, "greedy": 1, "always": 2}
+#: candidates per request the fused kernel takes (parent + 1 in 11 bits of the sibling sort key)
+_MAX_CANDIDATES = 2048
 
 
 #: ``(tokens, parents, logp, source, member_bins, gain)`` of `merge_select_reference`
@@ -310,6 +314,7 @@ if triton is not None:
     _MIX = tl.constexpr(HASH_MIX)
     _ADD = tl.constexpr(HASH_ADD)
     _POW = tl.constexpr(HASH_POW)
+    _LOW = tl.constexpr(-9223372036854775807)   # below every order key
 
     @triton.jit
     def _order_key(v, lanes):
@@ -320,50 +325,59 @@ if triton is not None:
         return mono * 1048576 + (1048575 - lanes.to(tl.int64))
 
     @triton.jit
-    def _rank_above(key, lanes, live, scratch, FIRST: tl.constexpr, U: tl.constexpr, BLOCK: tl.constexpr,
-                    BJ: tl.constexpr):
-        """Per lane i, the lanes j in ``[FIRST, U)`` with ``key[j] > key[i]`` (``int32[BLOCK]``); the j
-        side is stored into ``scratch`` and read back ``BJ`` lanes at a time."""
-        tl.debug_barrier()
-        tl.store(scratch + lanes, key, mask=live)
-        tl.debug_barrier()
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for j0 in range(0, BLOCK, BJ):
-            j = j0 + tl.arange(0, BJ)
-            kj = tl.load(scratch + j, mask=j < U, other=0)
-            rank += tl.sum(((kj[None, :] > key[:, None]) & ((j < U) & (j >= FIRST))[None, :]).to(tl.int32), axis=1)
-        return rank
+    def _run_start(g1, v1, g2, v2):
+        """Scan combine over runs of equal ``g`` in sorted order: the value at the start of the run."""
+        return g2, tl.where(g1 == g2, v1, v2)
+
+    @triton.jit
+    def _element(x, lanes, i):
+        """``x[i]`` of a block of int64 keys (``i`` a scalar; `_LOW` when out of range): one reduction."""
+        return tl.max(tl.where(lanes == i, x, _LOW), axis=0)
 
     @triton.jit
     def _select_kernel(tok_ptr, par_ptr, key_ptr, est_ptr, valid_ptr, mem_ptr, bins_ptr,
                        sampled_ptr, table_ptr, rows_ptr, agree_offset, min_score, root_width,
-                       out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch, jscratch,
-                       U: tl.constexpr, N: tl.constexpr, G: tl.constexpr, KN: tl.constexpr,
-                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr, BN: tl.constexpr,
-                       CAPS: tl.constexpr,
+                       out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch, tscratch,
+                       U: tl.constexpr, N: tl.constexpr, G: tl.constexpr, KN: tl.constexpr, KP: tl.constexpr,
+                       ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, CAPS: tl.constexpr,
                        HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr, HAS_ROWS: tl.constexpr,
                        MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr):
         """One request per program; the candidates in ``BLOCK`` >= U lanes (see the module docstring
         for the steps, which follow `merge_select_reference` line for line).
 
-        Work per program: the pointer-jumping steps (path hashes, `path_min`, twice more with the
-        sibling caps) O(U log U) in ``ROUNDS`` = ceil(log2(U + 1)) barriered rounds each; the
-        ``U x U`` comparisons (4 dedupe passes, the best member with its 7 member bins, the caps' sort
-        positions, the root-width and fill ranks) O(U**2) in ``BLOCK / BJ`` steps of ``[BLOCK, BJ]``
-        tiles each; the prefix sums O(U) in one scan each."""
+        Work per program, U candidates: the pointer-jumping steps (path hashes, `path_min`, once more
+        with the sibling caps) O(U log U) in ``ROUNDS`` = ceil(log2(U + 1)) barriered rounds each; the
+        scatter-reductions (4 dedupe rounds, the best member, the member bins) O(U) atomics, one
+        barrier each; the ranks (root width, the caps' sibling order, the fill) one bitonic sort
+        each, O(U log**2 U) (the fill a top-``KP``, O(U log**2 KP)); the prefix sums O(U) in one scan
+        each; the padding O(N). About 3 * ROUNDS + 20 barriers in all."""
         b = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         live = lanes < U
         row = b * U + lanes
         # the row's scratch: a gather x[idx] stores x, syncs the program and loads at idx
-        iw0 = iscratch + b * (2 * U)
+        iw0 = iscratch + b * (14 * U)
         iw1 = iw0 + U
+        jw0 = iw0 + 2 * U
+        jw1 = iw0 + 3 * U
+        jw2 = iw0 + 4 * U
+        jw3 = iw0 + 5 * U
+        best_t = iw0 + 6 * U              # the group's best order key, by canonical node
+        mb_t = iw0 + 7 * U                # every member's bin [U, NUM_MEMBERS], by canonical node
         fw0 = fscratch + b * (2 * U)
         fw1 = fw0 + U
-        jw0 = jscratch + b * (4 * U)      # the j side of the U x U reductions, read BJ lanes at a time
-        jw1 = jw0 + U
-        jw2 = jw0 + 2 * U
-        jw3 = jw0 + 3 * U
+        dedupe_t = tscratch + b * (1024 + 2 * BN)     # int32: 4 dedupe rounds x 256 buckets
+        used_t = dedupe_t + 1024          # the root's children's tokens below N
+        free_t = used_t + BN              # the free tokens below N, in order
+        mlanes = tl.arange(0, 8)
+        q = tl.arange(0, BN)
+        # the scatter tables' identities (read after the hash rounds' barriers)
+        tl.store(dedupe_t + tl.arange(0, 1024), tl.full([1024], U, tl.int32))
+        tl.store(best_t + lanes, tl.full([BLOCK], -4611686018427387904, tl.int64), mask=live)
+        mb_at = mb_t + lanes[:, None] * _NM + mlanes[None, :]
+        mb_in = live[:, None] & (mlanes[None, :] < _NM)
+        tl.store(mb_at, tl.full([BLOCK, 8], -1, tl.int64), mask=mb_in)
+        tl.store(used_t + q, tl.zeros([BN], tl.int32))
         inf = float("inf")
         tok = tl.load(tok_ptr + row, mask=live, other=0)
         par = tl.load(par_ptr + row, mask=live, other=-1)
@@ -396,49 +410,26 @@ if triton is not None:
         tl.debug_barrier()
         canon = lanes.to(tl.int64)
         pending = valid
-        for r in tl.static_range(4):
-            bucket = (s >> (r * 13 + 3)) & 255
+        for r in tl.static_range(4):      # `canonical_nodes`: the bucket minimum by an atomic min
+            bucket = ((s >> (r * 13 + 3)) & 255).to(tl.int32)
+            tl.atomic_min(dedupe_t + r * 256 + bucket, lanes.to(tl.int32), mask=pending)
             tl.debug_barrier()
-            tl.store(jw0 + lanes, tl.where(pending, bucket, -1), mask=live)
-            tl.debug_barrier()
-            cand = tl.full([BLOCK], U, tl.int32)
-            for j0 in range(0, BLOCK, BJ):
-                j = j0 + tl.arange(0, BJ)
-                bj = tl.load(jw0 + j, mask=j < U, other=-1)
-                cand = tl.minimum(cand, tl.min(tl.where(bj[None, :] == bucket[:, None], j[None, :], U), axis=1))
-            cand = tl.minimum(cand, U - 1)
+            cand = tl.minimum(tl.load(dedupe_t + r * 256 + bucket, mask=live, other=U, volatile=True), U - 1)
             ok = pending & (tl.load(iw0 + cand) == s)
             canon = tl.where(ok, cand.to(tl.int64), canon)
             pending = pending & ~ok
         valid = valid & ~pending
 
-        # 2. the group's best member, every member's bin, agreement
+        # 2. the group's best member, every member's bin (atomic maxima by canonical node), agreement
         okey = _order_key(key, lanes)
         member = tl.minimum(tl.maximum(tl.load(mem_ptr + row, mask=live, other=0), 0), _NM - 1)
         bins = tl.load(bins_ptr + row, mask=live, other=-1).to(tl.int64)
-        binv = tl.where(valid & (bins >= 0), bins, -1)
+        tl.atomic_max(best_t + canon, okey, mask=valid)
+        tl.atomic_max(mb_t + canon * _NM + member, bins, mask=valid & (bins >= 0))
         tl.debug_barrier()
-        tl.store(jw0 + lanes, tl.where(valid, canon, -1), mask=live)
-        tl.store(jw1 + lanes, okey, mask=live)
-        tl.store(jw2 + lanes, member.to(tl.int64), mask=live)
-        tl.store(jw3 + lanes, binv, mask=live)
-        tl.debug_barrier()
-        mlanes = tl.arange(0, 8)
-        best = tl.full([BLOCK], -4611686018427387904, tl.int64)
-        mb = tl.full([BLOCK, 8], -1, tl.int64)
-        for j0 in range(0, BLOCK, BJ):           # [canonical i, member j]: the group's best key, member bins
-            j = j0 + tl.arange(0, BJ)
-            inj = j < U
-            group = tl.load(jw0 + j, mask=inj, other=-1)[None, :] == lanes[:, None]
-            best = tl.maximum(best, tl.max(tl.where(group, tl.load(jw1 + j, mask=inj, other=0)[None, :],
-                                                    -4611686018427387904), axis=1))
-            mj = tl.load(jw2 + j, mask=inj, other=-1)
-            bj = tl.load(jw3 + j, mask=inj, other=-1)
-            for m in tl.static_range(_NM):
-                got = tl.max(tl.where(group & (mj[None, :] == m), bj[None, :], -1), axis=1)
-                mb = tl.where(mlanes[None, :] == m, tl.maximum(mb, got[:, None]), mb)
+        best = tl.load(best_t + lanes, mask=live, other=-4611686018427387904, volatile=True)
+        mb = tl.load(mb_at, mask=mb_in, other=-1, volatile=True)
         best_idx = tl.minimum(tl.maximum(1048575 - (best & 1048575), 0), U - 1)
-        tl.debug_barrier()
         tl.store(fw0 + lanes, key, mask=live)
         tl.store(iw1 + lanes, canon, mask=live)
         tl.debug_barrier()
@@ -465,11 +456,11 @@ if triton is not None:
         unique = valid & (canon == lanes)
         cp = tl.where(live & (cpar >= 0), cpar, U)                                 # sentinel parents
         gkey = tl.where(unique, gkey, -inf)
-        if HAS_RW:
+        if HAS_RW:   # the root's retrieved children below the root_width-th by key are cut
             kids = unique & (cpar == 0) & retrieved_best
-            k2 = _order_key(tl.where(kids, gkey, -inf), lanes)
-            rank2 = _rank_above(k2, lanes, live, jw0, 0, U, BLOCK, BJ)
-            gkey = tl.where(kids & (rank2 >= root_width), -inf, gkey)
+            k2 = tl.where(live, _order_key(tl.where(kids, gkey, -inf), lanes), _LOW)
+            cut = _element(tl.sort(k2, descending=True), lanes, root_width - 1)    # live keys are distinct
+            gkey = tl.where(kids & ((root_width <= 0) | (k2 < cut)), -inf, gkey)
         p = cp
         for _ in range(ROUNDS):       # `path_min`
             tl.debug_barrier()
@@ -480,32 +471,23 @@ if triton is not None:
             gkey = tl.minimum(gkey, tl.load(fw0 + p, mask=up, other=inf))
             p = tl.load(iw1 + p, mask=up, other=U)
 
-        if CAPS != 0:   # `sibling_caps`: sort by (parent, key desc), a float64 prefix sum in that order
+        if CAPS != 0:   # `sibling_caps`: sort by (parent, key desc), a fixed-point prefix sum in that order
             e = tl.where(gkey > -inf, gest, 0.0)
-            ok2 = _order_key(gkey, lanes)
+            # (parent + 1) in the top 11 bits, the order key reversed below (its low 20 bits the lane)
+            sib = tl.where(live, (cpar + 1) * 4503599627370496 + (2251799813685247 - _order_key(gkey, lanes)),
+                           9223372036854775807)
+            sib = tl.sort(sib)                                                   # position k < U: live
+            at = sib & 1048575                                                   # the lane at position k
             tl.debug_barrier()
-            tl.store(jw0 + lanes, cpar, mask=live)
-            tl.store(jw1 + lanes, ok2, mask=live)
-            tl.debug_barrier()
-            start = tl.zeros([BLOCK], dtype=tl.int32)
-            pos = tl.zeros([BLOCK], dtype=tl.int32)
-            for j0 in range(0, BLOCK, BJ):
-                j = j0 + tl.arange(0, BJ)
-                inj = (j < U)[None, :]
-                cj = tl.load(jw0 + j, mask=j < U, other=0)[None, :]
-                lower = (cj < cpar[:, None]) & inj
-                start += tl.sum(lower.to(tl.int32), axis=1)
-                pos += tl.sum((lower | ((cj == cpar[:, None]) & (tl.load(jw1 + j, mask=j < U, other=0)[None, :]
-                                                                  > ok2[:, None]) & inj)).to(tl.int32), axis=1)
-            tl.store(jw2 + pos, to_fixed(tl.maximum(e, 0.0)), mask=live)            # sorted, fixed point
-            tl.debug_barrier()
-            sv = tl.load(jw2 + lanes, mask=live, other=0)
-            tl.store(jw3 + lanes, tl.cumsum(sv, axis=0) - sv, mask=live)        # mass sorted earlier
-            tl.debug_barrier()
-            above = from_fixed(tl.load(jw3 + pos, mask=live, other=0) - tl.load(jw3 + start, mask=live, other=0))
-            tl.debug_barrier()
+            tl.store(jw0 + lanes, to_fixed(tl.maximum(e, 0.0)), mask=live)
             tl.store(fw0 + lanes, gest, mask=live)
             tl.debug_barrier()
+            sv = tl.load(jw0 + at, mask=live, other=0)                           # sorted, fixed point
+            before = tl.cumsum(sv, axis=0) - sv                                  # mass sorted earlier
+            _, start = tl.associative_scan((sib >> 52, before), 0, _run_start)   # ... at the group's start
+            tl.store(jw1 + at, before - start, mask=live)
+            tl.debug_barrier()
+            above = from_fixed(tl.load(jw1 + lanes, mask=live, other=0))
             base = tl.where(cpar < 0, 1.0, tl.load(fw0 + tl.maximum(cpar, 0), mask=live, other=0.0))
             cap = tl.where(lanes == 0, inf, tl.maximum(base - above, 0.0))
             capped_est = tl.minimum(gest, cap)
@@ -527,14 +509,17 @@ if triton is not None:
             gest = tl.where(apply, capped_est, gest)
             gkey = tl.where(apply, capped_key, gkey)
 
-        # 3. fill: rank the non-root nodes, the gain curve in rank order, the N - 1 best
+        # 3. fill: the non-root nodes' top KP by key, the gain curve in that order, the N - 1 best
         rest = live & (lanes > 0)
         ok3 = _order_key(gkey, lanes)
-        rank = _rank_above(ok3, lanes, live, jw0, 1, U, BLOCK, BJ)
-        tl.store(jw2 + rank, to_fixed(tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0)), mask=rest)
+        top = tl.topk(tl.where(rest, ok3, _LOW), KP)                             # descending, distinct
+        k = tl.arange(0, KP)
+        ranked = k < U - 1
         tl.debug_barrier()
-        gv = tl.load(jw2 + lanes, mask=lanes < U - 1, other=0)
-        tl.store(jw3 + lanes, tl.cumsum(gv, axis=0), mask=lanes < U - 1)          # gain[k]: the k + 1 best
+        tl.store(jw2 + lanes, to_fixed(tl.maximum(tl.where(gkey > -inf, gest, 0.0), 0.0)), mask=live)
+        tl.debug_barrier()
+        gv = tl.load(jw2 + (1048575 - (top & 1048575)), mask=ranked, other=0)
+        tl.store(jw3 + k, tl.cumsum(gv, axis=0), mask=ranked)                    # gain[k]: the k + 1 best
         tl.debug_barrier()
         for g0 in range(0, G, BLOCK):       # widths past the candidates repeat the last value (padding)
             gi = g0 + lanes
@@ -543,12 +528,14 @@ if triton is not None:
             else:
                 gcum = tl.zeros([BLOCK], dtype=tl.int64)
             tl.store(out_gain + b * G + gi, from_fixed(gcum), mask=gi < G)
-        sel = (lanes == 0) | (rest & (rank < KN) & (gkey > -inf))
+        if KN > 0:
+            sel = (lanes == 0) | (rest & (ok3 >= _element(top, k, KN - 1)) & (gkey > -inf))
+        else:
+            sel = lanes == 0
 
         # 4. compact the selected nodes (positions 1 .. count-1); the root and padding go by position
         newidx = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         count = tl.sum(sel.to(tl.int32), axis=0)
-        tl.debug_barrier()
         tl.store(iw0 + lanes, newidx.to(tl.int64), mask=live)
         tl.debug_barrier()
         npar = tl.where(lanes == 0, -1, tl.load(iw0 + tl.maximum(cpar, 0), mask=live, other=0))
@@ -559,21 +546,13 @@ if triton is not None:
         tl.store(out_est + dst, tl.log(tl.maximum(gest, 0.0)), mask=put)          # the tree's logp
         tl.store(out_src + dst, src, mask=put)
         tl.store(out_mb + dst[:, None] * _NM + mlanes[None, :], mb, mask=put[:, None] & (mlanes[None, :] < _NM))
-        q = tl.arange(0, BN)
-        rootkid = put & (npar == 0)
+        # padding: the free tokens below N (not a child of the root), in order
+        tl.store(used_t + tok, tl.full([BLOCK], 1, tl.int32), mask=put & (npar == 0) & (tok >= 0) & (tok < N))
         tl.debug_barrier()
-        tl.store(jw0 + lanes, tl.where(rootkid, tok, -1), mask=live)
+        free = (tl.load(used_t + q) == 0) & (q < N)
+        tl.store(free_t + tl.cumsum(free.to(tl.int32), axis=0) - 1, q.to(tl.int32), mask=free)
         tl.debug_barrier()
-        used = tl.zeros([BN], dtype=tl.int32)            # the root's children's tokens below N
-        for i0 in range(0, BLOCK, BJ):
-            i = i0 + tl.arange(0, BJ)
-            ti = tl.load(jw0 + i, mask=i < U, other=-1)
-            used = tl.maximum(used, tl.max((ti[:, None] == q[None, :]).to(tl.int32), axis=0))
-        used = used > 0
-        free = ~used & (q < N)
-        frank = tl.cumsum(free.to(tl.int32), axis=0) - 1
-        want = tl.minimum(tl.maximum(q - count, 0), N - 1)
-        pad_tok = tl.sum(tl.where(free[None, :] & (frank[None, :] == want[:, None]), q[None, :], 0), axis=1)
+        pad_tok = tl.load(free_t + tl.minimum(tl.maximum(q - count, 0), N - 1))
         is_pad = q >= count
         spot = (q < N) & (is_pad | (q == 0))
         root_tok = tl.load(tok_ptr + b * U)
@@ -594,7 +573,8 @@ def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torc
     within float32 rounding).
 
     Raises:
-        RuntimeError: Triton is not installed.
+        RuntimeError: Triton is not installed. ValueError: U >= 2048 candidates per request (the
+            sibling order packs the parent into 11 bits of its sort key).
     """
     tokens, parents, key, est, valid, member, bins = (cands.tokens, cands.parents, cands.priority, cands.est,
                                                        cands.valid, cands.member, cands.bins)
@@ -603,6 +583,9 @@ def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torc
     if triton is None:
         raise RuntimeError("graft merge_select: Triton is not installed")
     b, u = tokens.shape
+    if u >= _MAX_CANDIDATES:
+        raise ValueError(f"graft merge_select: {u} candidates per request, the kernel takes at most "
+                         f"{_MAX_CANDIDATES - 1}")
     n, g = num_nodes, gain_nodes - 1
     dev = tokens.device
     block = triton.next_power_of_2(max(u, 2))
@@ -614,18 +597,20 @@ def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torc
     out_mb = torch.empty(b, n, NUM_MEMBERS, dtype=torch.int64, device=dev)
     gain = torch.empty(b, g, dtype=torch.float32, device=dev)
     if b > 0:
-        iscratch = torch.empty(b, 2 * u, dtype=torch.int64, device=dev)
+        bn = triton.next_power_of_2(max(n, 2))
+        iscratch = torch.empty(b, 14 * u, dtype=torch.int64, device=dev)
         fscratch = torch.empty(b, 2 * u, dtype=torch.float32, device=dev)
-        jscratch = torch.empty(b, 4 * u, dtype=torch.int64, device=dev)
+        tscratch = torch.empty(b, 1024 + 2 * bn, dtype=torch.int32, device=dev)
         flags = lambda t: t.contiguous() if t is not None else out_tok  # noqa: E731  (bool, or unused)
         table = agree_table.contiguous().float() if agree_table is not None else out_est
+        kn = min(n - 1, u - 1)
         _select_kernel[(b,)](
             i64(tokens), i64(parents), key.contiguous().float(), est.contiguous().float(), flags(valid),
             i64(member), i64(bins), flags(sampled), table, flags(agree_rows), int(agree_offset),
             float(min_score), int(root_width or 0), out_tok, out_par, out_est, out_src, out_mb, gain,
-            iscratch, fscratch, jscratch,
-            U=u, N=n, G=g, KN=min(n - 1, u - 1), ROUNDS=pointer_rounds(u + 1),
-            BLOCK=block, BJ=min(block, max(8, 4096 // block)), BN=triton.next_power_of_2(max(n, 2)),
+            iscratch, fscratch, tscratch,
+            U=u, N=n, G=g, KN=kn, KP=min(block, triton.next_power_of_2(max(2, kn, min(g, u - 1)))),
+            ROUNDS=pointer_rounds(u + 1), BLOCK=block, BN=bn,
             CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
             HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
             num_warps=8 if u > 64 else 4)

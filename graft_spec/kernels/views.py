@@ -193,11 +193,15 @@ class Agreement(NamedTuple):
 class RefreshIndex(NamedTuple):
     """The calibrator's bin groups for a refresh (calibration.py): ``agree_idx int64[2, A]``
     agreement bins per mode, ``retr_idx int64[2, R, D, P]`` retrieval bins per mode, member, depth
-    bin and (probability, match) bin, ``chain_weight float32[D, 1]`` the chained prior's weight."""
+    bin and (probability, match) bin, ``chain_weight float32[D, 1]`` the chained prior's weight,
+    ``plain_idx int64[K]`` every other bin (the three partition the table), ``arrivals int32[1]`` the
+    fused refresh's count of programs that have read the source windows (0 between launches)."""
 
     agree_idx: torch.Tensor
     retr_idx: torch.Tensor
     chain_weight: torch.Tensor
+    plain_idx: torch.Tensor
+    arrivals: torch.Tensor
 
 
 class RefreshOptions(NamedTuple):

@@ -120,7 +120,7 @@ def test_observe_kernel_equals_reference(case):
 @given(seed=st.integers(0, 2 ** 31 - 1), window=st.sampled_from([0.0, 64.0, 256.0]))
 def test_refresh_kernel_equals_reference(seed, window):
     from graft_spec.kernels.refresh import refresh_reference, refresh_triton
-    from graft_spec.kernels.views import CalibrationState, RefreshIndex, RefreshOptions
+    from graft_spec.kernels.views import CalibrationState, RefreshOptions
 
     planner = _planner(2, source_window=window)
     cal = planner.calibrator
@@ -130,9 +130,10 @@ def test_refresh_kernel_equals_reference(seed, window):
     for fn in (refresh_reference, refresh_triton):
         s = _clone(st0)
         fn(CalibrationState(s["hits"], s["trials"], cal.prior, s["recent"], cal._group, s["base"], s["table"]),
-           RefreshIndex(cal._agree_idx, cal._retr_idx, cal._chain_weight),
+           cal.refresh_index,
            RefreshOptions(cal.w, cal.halve_at, window, cal.SOURCE_PSEUDO_TRIALS))
         outs.append(s)
+        assert int(cal.refresh_index.arrivals) == 0                   # the kernel's last program reset it
     _assert_equal(outs[0], outs[1])
     assert not torch.equal(outs[0]["table"], st0["table"])          # it did recompute
 
