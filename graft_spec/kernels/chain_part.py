@@ -195,7 +195,11 @@ if triton is not None:
                            BD: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                            BMM: tl.constexpr, BE: tl.constexpr, LOOKUP_MEMBER: tl.constexpr,
                            OUTPUTS_MEMBER: tl.constexpr):
-        """One request per program; chain nodes as lanes (``BD`` >= D)."""
+        """One request per program; chain nodes as lanes (``BD`` >= D).
+
+        Work per program: the prompt lookup's match scan O(L * MAXM) over the history row of L
+        tokens in ``L / BJ`` steps; each chain O(D) nodes priced against O(edges) bin edges; no
+        barrier."""
         b = tl.program_id(0)
         row = hist_ptr + b * L
         cnt = tl.load(count_ptr + b).to(tl.int64)

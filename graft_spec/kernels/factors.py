@@ -38,7 +38,9 @@ if triton is not None:
     @triton.jit
     def _factors_kernel(recent_ptr, slot_ptr, on_ptr, scale_ptr, under_ptr, pseudo, M: tl.constexpr,
                         BM: tl.constexpr):
-        """One request per program; members as lanes."""
+        """One request per program; members as lanes.
+
+        Work per program: O(M) (one window row per member)."""
         b = tl.program_id(0)
         c = tl.arange(0, BM)
         live = c < M

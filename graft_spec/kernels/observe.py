@@ -106,7 +106,11 @@ if triton is not None:
                         SOURCE_WINDOW: tl.constexpr,
                         RC_ON: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                         BK: tl.constexpr, BL: tl.constexpr):
-        """One request per program: nodes as rows (``BN`` >= N), members as columns (``BM`` >= M)."""
+        """One request per program: nodes as rows (``BN`` >= N), members as columns (``BM`` >= M).
+
+        Work per program: O(N * M) for the counts and the per-member sums (reductions over the
+        node axis), O(L) for the history window's shift by the committed tokens, O(N**2) for the
+        accepted nodes' source columns; one barrier."""
         b = tl.program_id(0)
         ONE: tl.constexpr = 4294967296
         i = tl.arange(0, BN)

@@ -81,7 +81,9 @@ if triton is not None:
     def _stack_kernel(t0, p0, e0, v0, b0, m0, k0, t1, p1, e1, v1, b1, m1, k1, t2, p2, e2, v2, b2, m2, k2,
                       t3, p3, e3, v3, b3, m3, k3, spec_ptr, o_t, o_p, o_e, o_v, o_b, o_m, o_k,
                       W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr, BW: tl.constexpr):
-        """One request per program: the blocks' fields copied at their offsets."""
+        """One request per program: the blocks' fields copied at their offsets.
+
+        Work per program: O(W0 + W1 + W2 + W3) copies, no barrier."""
         b = tl.program_id(0)
         spec = tl.load(spec_ptr + b) != 0
         total = W0 + W1 + W2 + W3

@@ -83,7 +83,10 @@ if triton is not None:
     def _successor_kernel(table_ptr, tok_ptr, topk_ptr, valid_ptr, group_ptr, M, rows, vocab,
                           KP: tl.constexpr, K: tl.constexpr, KK: tl.constexpr, BI: tl.constexpr,
                           BJ: tl.constexpr, BK: tl.constexpr):
-        """Nodes ``BI`` per program; a node writes when no later valid node shares its row."""
+        """Nodes ``BI`` per program; a node writes when no later valid node shares its row.
+
+        Work per program: O(BI * M) row comparisons against the M nodes in ``M / BJ`` steps, then
+        O(BI * K) table writes; ``ceil(M / BI)`` programs."""
         i = tl.program_id(0) * BI + tl.arange(0, BI)
         tok = tl.load(tok_ptr + i, mask=i < M, other=-1)
         grp = tl.load(group_ptr + i, mask=i < M, other=0)

@@ -103,7 +103,10 @@ if triton is not None:
                                rows, vocab, bin_offset, per_mode,
                                T: tl.constexpr, K: tl.constexpr, M: tl.constexpr, LEVELS: tl.constexpr,
                                MEMBER: tl.constexpr, BLOCK: tl.constexpr):
-        """One request per program, template slots as lanes (``BLOCK`` >= T)."""
+        """One request per program, template slots as lanes (``BLOCK`` >= T).
+
+        Work per program: O(T * LEVELS**2) (each slot walks up to its ancestor at every level);
+        no barrier."""
         b = tl.program_id(0)
         u = tl.arange(0, BLOCK)
         live = u < T
