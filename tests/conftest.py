@@ -62,6 +62,16 @@ def pytest_sessionstart(session) -> None:
         ensure_models(_quick_root())
 
 
+def pytest_collection_finish(session) -> None:
+    """Start the kernel checks in the background when tests/test_kernels.py is selected
+    (tests/kernel_checks.py): their single-core interpreter run overlaps the other tests."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and any(Path(str(item.fspath)).name == "test_kernels.py"
+                                                         for item in session.items):
+        import kernel_checks
+
+        kernel_checks.start()
+
+
 @pytest.fixture(scope="session")
 def quick_models() -> ModelPaths:
     """Paths of the quick models (``GRAFT_QUICK_MODELS`` overrides the default ``models/quick``)."""

@@ -2,7 +2,8 @@
 
 The bit-for-bit comparisons run in a subprocess under ``TRITON_INTERPRET=1`` (Triton must see the
 switch before it is imported; this session's Triton was imported by SGLang already):
-tests/interpret/test_*_interpreted.py, one file per group of kernels.
+tests/interpret/test_*_interpreted.py, one file per group of kernels, started in the background at
+collection (tests/kernel_checks.py) with the sm_90 compile of their launches after them.
 """
 
 from __future__ import annotations
@@ -10,30 +11,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-#: every kernel-against-reference file, run in one interpreter subprocess
-INTERPRETED = sorted(p.name for p in (ROOT / "tests" / "interpret").glob("test_*_interpreted.py"))
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    """The interpreter subprocess over every tests/interpret file: ``(completed process, output tail,
-    path of the recorded kernel launches)`` (tests/kernel_launches.py)."""
+def interpreted():
+    """The interpreter run over every tests/interpret file (tests/kernel_checks.py, started in the
+    background at collection): ``(completed run, output tail, path of the recorded kernel launches)``
+    (tests/kernel_launches.py)."""
     pytest.importorskip("triton")
-    launches = tmp_path_factory.mktemp("kernels") / "launches.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
-               GRAFT_RECORD_LAUNCHES=str(launches), GRAFT_RECORD_LAUNCHER_OPS=str(launches.parent / "ops.json"))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *(str(ROOT / "tests" / "interpret" / f) for f in INTERPRETED)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    return run, run.stdout[-3000:] + run.stderr[-2000:], launches
+    import kernel_checks
+
+    results, out = kernel_checks.results()
+    r = results["interpreter"]
+    run = SimpleNamespace(returncode=r["returncode"], stdout=r["stdout"], stderr=r["stderr"],
+                          compiled=results["compile"])
+    return run, run.stdout[-3000:] + run.stderr[-2000:], out / "launches.json"
 
 
 def test_fused_kernels_equal_their_references_under_the_interpreter(interpreted):
@@ -64,14 +63,12 @@ def test_every_interpreted_kernel_compiles_for_a_cuda_gpu(interpreted):
     at most `kernel_launches.MAX_SPILL_BYTES` per thread: the interpreter never lowers a kernel, so
     this is what says the tested code is code a GPU can run, and run from registers."""
     pytest.importorskip("triton.backends.nvidia")
-    _, tail, launches = interpreted
+    interp, tail, launches = interpreted
     assert launches.exists(), tail
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
-               TRITON_CACHE_DIR=str(launches.parent / "triton_cache"))     # empty: ptxas runs and logs
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_launches.py"), str(launches)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    run = interp.compiled
+    assert run is not None, tail
+    assert run["returncode"] == 0, run["stdout"][-4000:] + run["stderr"][-2000:]
+    run = SimpleNamespace(**run)
     assert "compiled for sm_90" in run.stdout, run.stdout
     assert "_tree_sample_kernel" in run.stdout and "_select_kernel" in run.stdout, run.stdout
 
