@@ -115,6 +115,7 @@ class StepGraphs:
         n = planner.config.num_draft_tokens
         self.planner, self.topk, self.steps = planner, int(topk), int(steps)
         self.draft_width = self.topk + (self.steps - 1) * self.topk ** 2
+        self.parent_width = 1 + (self.steps - 1) * self.topk          # the draft sink's parent_list width
         self.buckets = tuple(sorted({int(x) for x in buckets}))
         self.widths = tuple(sorted({int(w) for w in (widths or planner.config.verify_widths) if w >= 2}))
         if not self.buckets or self.buckets[0] < 1:
@@ -125,7 +126,7 @@ class StepGraphs:
         d = self.draft_buffer
         if ((d.topk, d.steps) != (self.topk, self.steps) or d.tokens.shape[0] < self.buckets[-1]
                 or d.tokens.shape[1] != self.draft_width or d.scores.shape != d.tokens.shape
-                or d.parent_list.shape[1] != 1 + (self.steps - 1) * self.topk):
+                or d.parent_list.shape != (d.tokens.shape[0], self.parent_width)):
             raise ValueError(f"StepGraphs: draft_buffer of shape {tuple(d.tokens.shape)} (topk {d.topk}, steps "
                              f"{d.steps}) does not hold {self.buckets[-1]} rows of {self.draft_width} candidates "
                              f"(topk {self.topk}, steps {self.steps})")
@@ -143,7 +144,7 @@ class StepGraphs:
         dev, s = self.planner.device, self.draft_width
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         return DenseDraft(torch.zeros(rows, s, device=dev), z(rows, s),
-                          z(rows, 1 + (self.steps - 1) * self.topk) - 1,   # the draft sink's width
+                          z(rows, self.parent_width) - 1,
                           self.topk, self.steps)
 
     def _make_static(self, bucket: int) -> _Static:
