@@ -20,20 +20,29 @@ successor table, token history, per-request correction windows) are read inside 
 fixed addresses: they are updated in place by `GraftPlanner.observe` and must not be reallocated
 after `capture` (size the per-slot state first, `GraftPlanner.ensure_slots`).
 
+The round's bookkeeping is captured too, as a second graph per (bucket, width): `observe` after a
+replayed build copies the verify outcome (accepted nodes, the target's top-k, committed tokens,
+accept lengths, slots) into its static inputs and replays `GraftPlanner.observe_eager` over the
+build graph's outputs in place; the padding rows are masked inside the graph (no member bins,
+padding sources, the planner's dump slot), so they credit and learn nothing. Its `RoundStats` row
+tensors are views, like the build's outputs. A tree that is not the last replayed build's output
+(an eager build, a tree broadcast from another tensor-parallel rank) is observed eagerly.
+
 Batches larger than the largest bucket, devices other than CUDA, widths not captured and drafts
 given as `DraftCandidates` run the eager `GraftPlanner.build`: same function, same result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Protocol, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .config import GraftConfig
 from .history import TokenHistory
 from .retrieval.buffer import HostCandidateBuffer, HostCandidates
+from .sources import SOURCE_PADDING
 from .step import DenseDraft, DraftCandidates, StepOutput
 from .tree import DraftTree
 
@@ -45,14 +54,19 @@ class Planner(Protocol):
     device: torch.device
     buffer: HostCandidateBuffer
     history: TokenHistory
+    dump_slot: Optional[int]
+    successor_k: int
 
     def fix_slots(self) -> None: ...
+
+    def observe_eager(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
+                      committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> Any: ...
 
     def build_eager(self, draft: "DenseDraft | DraftCandidates", roots: torch.Tensor, host: HostCandidates,
                     slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor,
                     num_nodes: Optional[int] = None) -> StepOutput: ...
 
-__all__ = ["Planner", "StepGraphs"]
+__all__ = ["CudaRecorder", "Planner", "Recorder", "StepGraphs"]
 
 
 @dataclass
@@ -72,14 +86,47 @@ class _Static:
         field already written in place, the same memory, is not copied)."""
         b = roots.shape[0]
         for name in ("scores", "tokens", "parent_list"):
-            dst, src = getattr(self.draft, name), getattr(draft, name)
-            if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
-                dst[:b].copy_(src)
+            _copy(getattr(self.draft, name)[:b], getattr(draft, name))
         host.pack_into(self.host_block)
         self.roots[:b].copy_(roots)
         self.slots[:b].copy_(slots)
         self.seq_lens[:b].copy_(seq_lens)
         self.sampled[:b].copy_(sampled)
+
+
+@dataclass
+class _ObserveStatic:
+    """The captured inputs of one (bucket, width) observe (``[bucket, ...]``) besides the build's
+    outputs and slots, which it reads where the build graph left them. ``rows`` (``int64[1]``) is
+    the round's batch: rows at and after it are padding, which the captured observe masks out."""
+
+    on_path: torch.Tensor
+    topk: Optional[torch.Tensor]
+    committed: torch.Tensor
+    accept_len: torch.Tensor
+    rows: torch.Tensor
+    row_ids: torch.Tensor
+    loaded_rows: int = -1          # host-side: the batch ``rows`` holds (its fill is skipped when equal)
+
+    def load(self, b: int, width: int, on_path, topk, committed, accept_len) -> None:
+        """Copy a round's verify outcome of ``b`` rows into the first rows (device copies; an input
+        already in place is not copied; ``committed`` wider than the buffer is cut to it: only the
+        first ``accept_len <= width`` tokens are read)."""
+        _copy(self.on_path[:b], on_path)
+        if self.topk is not None:
+            _copy(self.topk[: b * width], topk.reshape(b * width, -1)[:, : self.topk.shape[1]])
+        c = min(self.committed.shape[1], committed.shape[1])
+        _copy(self.committed[:b, :c], committed[:, :c])
+        _copy(self.accept_len[:b], accept_len)
+        if self.loaded_rows != b:
+            self.rows.fill_(b)
+            self.loaded_rows = b
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` unless ``src`` already is ``dst`` (same memory and strides)."""
+    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride() or src.shape != dst.shape:
+        dst.copy_(src)
 
 
 def _rows(out: StepOutput, b: int) -> StepOutput:
@@ -91,6 +138,39 @@ def _rows(out: StepOutput, b: int) -> StepOutput:
     return StepOutput(tree, cut(out.member_bins), cut(out.depth), cut(out.positions), cut(out.mask),
                       cut(out.first_child), cut(out.next_sibling), out.estimates, cut(out.groups),
                       cut(out.gain), None if out.factors is None else tuple(cut(t) for t in out.factors))
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class Recorder(Protocol):
+    """Records a call once and replays it (`StepGraphs.capture`)."""
+
+    def record(self, fn) -> Tuple[Replayable, Any]:
+        """Warm ``fn`` up and record it; returns what replays it and its outputs, which every
+        replay rewrites in place."""
+        ...
+
+
+class CudaRecorder:
+    """CUDA graphs in one memory pool, each warmed up twice on a side stream first, as torch asks
+    (``torch.cuda.graphs``)."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def record(self, fn) -> Tuple["torch.cuda.CUDAGraph", Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
 
 
 class StepGraphs:
@@ -105,13 +185,16 @@ class StepGraphs:
         draft_buffer: the `DenseDraft` buffers (at least the largest bucket's rows, the same ``topk``
             and ``steps``) the engine's draft calls write and the graphs read in place, or None
             (the graphs' own; every round's draft is copied in).
+        observe: also capture `GraftPlanner.observe_eager` per (bucket, width), replayed by
+            `observe` after a replayed build.
     Raises:
         ValueError: no bucket, a bucket < 1, a width outside 2..N, or a ``draft_buffer`` of another
             shape.
     """
 
     def __init__(self, planner: Planner, topk: int, steps: int, buckets: Sequence[int],
-                 widths: Optional[Sequence[int]] = None, draft_buffer: Optional[DenseDraft] = None):
+                 widths: Optional[Sequence[int]] = None, draft_buffer: Optional[DenseDraft] = None,
+                 observe: bool = True):
         n = planner.config.num_draft_tokens
         self.planner, self.topk, self.steps = planner, int(topk), int(steps)
         self.draft_width = self.topk + (self.steps - 1) * self.topk ** 2
@@ -130,15 +213,25 @@ class StepGraphs:
             raise ValueError(f"StepGraphs: draft_buffer of shape {tuple(d.tokens.shape)} (topk {d.topk}, steps "
                              f"{d.steps}) does not hold {self.buckets[-1]} rows of {self.draft_width} candidates "
                              f"(topk {self.topk}, steps {self.steps})")
+        self.observe_graphs = bool(observe)
         self._static: Dict[int, _Static] = {}
-        self._graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self._graphs: Dict[Tuple[int, int], Tuple[Replayable, StepOutput]] = {}
+        self._observes: Dict[Tuple[int, int], Tuple[Replayable, _ObserveStatic, Any]] = {}
+        self._last: Optional[Tuple[Tuple[int, int], int, StepOutput]] = None   # the last replayed build
         self.replays = 0
         self.eager = 0
+        self.observe_replays = 0
+        self.observe_eager = 0
 
     @property
     def captured(self) -> int:
-        """Graphs captured so far."""
+        """Build graphs captured so far."""
         return len(self._graphs)
+
+    @property
+    def observes_captured(self) -> int:
+        """Observe graphs captured so far."""
+        return len(self._observes)
 
     def _own_draft(self, rows: int) -> DenseDraft:
         dev, s = self.planner.device, self.draft_width
@@ -163,29 +256,56 @@ class StepGraphs:
         return self.planner.build_eager(st.draft, st.roots, HostCandidates.unpack(st.host_block), st.slots,
                                         st.seq_lens, st.sampled, num_nodes=width)
 
-    def capture(self) -> None:
-        """Capture every (bucket, width) graph (start-up: a device synchronise per graph).
+    def _make_observe(self, bucket: int, width: int) -> _ObserveStatic:
+        dev = self.planner.device
+        k = self.planner.successor_k
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        on_path = torch.zeros(bucket, width, dtype=torch.bool, device=dev)
+        on_path[:, 0] = True
+        ost = _ObserveStatic(on_path, z(bucket * width, k) if k else None, z(bucket, width),
+                             z(bucket) + 1, z(1), torch.arange(bucket, device=dev))
+        ost.loaded_rows = 0                       # every row padding: a warm-up credits nothing
+        return ost
 
+    def _observe_call(self, st: _Static, ost: _ObserveStatic, out: StepOutput) -> Any:
+        """`GraftPlanner.observe_eager` of a bucket's build outputs with its padding rows (``>= rows``)
+        masked out: no member bins and padding sources (nothing credited or learnt), the dump slot
+        (`GraftPlanner.fix_slots`) instead of a live request's slot."""
+        valid = ost.row_ids < ost.rows
+        bins = torch.where(valid[:, None, None], out.member_bins, -1)
+        source = torch.where(valid[:, None], out.tree.source, SOURCE_PADDING)
+        slots = torch.where(valid, st.slots, self.planner.dump_slot)
+        tree = DraftTree(out.tree.tokens, out.tree.parents, out.tree.logp, source)
+        return self.planner.observe_eager(replace(out, tree=tree, member_bins=bins), ost.on_path, ost.topk,
+                                          ost.committed, ost.accept_len, slots)
+
+    def capture(self, recorder: "Optional[Recorder]" = None) -> None:
+        """Capture every (bucket, width) build, and its observe unless ``observe`` is off (start-up:
+        a device synchronise per graph). The planner's per-slot state is fixed first
+        (`GraftPlanner.fix_slots`, which adds the dump slot the padding rows write to).
+
+        Args:
+            recorder: how a graph is recorded and replayed (`Recorder`); default CUDA graphs in
+                one memory pool. The tests pass a ``make_fx`` recorder that replays the same
+                captured calls on CPU.
         Raises:
-            RuntimeError: the planner is not on a CUDA device.
+            RuntimeError: the planner is not on a CUDA device (default recorder).
         """
-        if self.planner.device.type != "cuda":
-            raise RuntimeError("StepGraphs.capture needs the planner on a CUDA device")
+        if recorder is None:
+            if self.planner.device.type != "cuda":
+                raise RuntimeError("StepGraphs.capture needs the planner on a CUDA device")
+            recorder = CudaRecorder()
         self.planner.fix_slots()
-        pool = torch.cuda.graph_pool_handle()
         for bucket in self.buckets:
             st = self._static.setdefault(bucket, self._make_static(bucket))
             for width in self.widths:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):               # warm-up off the capture, as torch asks
-                    for _ in range(2):
-                        self._call(st, width)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._call(st, width)
+                graph, out = recorder.record(lambda: self._call(st, width))
                 self._graphs[(bucket, width)] = (graph, out)
+                if self.observe_graphs:
+                    ost = self._make_observe(bucket, width)
+                    graph.replay()                       # a valid tree in the outputs for the warm-ups
+                    ograph, stats = recorder.record(lambda: self._observe_call(st, ost, out))
+                    self._observes[(bucket, width)] = (ograph, ost, stats)
 
     def warm_up(self) -> None:
         """Run every (bucket, width) build once eagerly on the static inputs (compiles the fused
@@ -207,9 +327,36 @@ class StepGraphs:
         if (entry is None or not isinstance(draft, DenseDraft) or draft.tokens.shape[1] != self.draft_width
                 or (draft.topk, draft.steps) != (self.topk, self.steps)):
             self.eager += 1
+            self._last = None
             return self.planner.build_eager(draft, roots, host, slot_ids, seq_lens, sampled, num_nodes=num_nodes)
         graph, out = entry
         self._static[bucket].load(draft, roots, host, slot_ids, seq_lens, sampled)
         graph.replay()
         self.replays += 1
-        return _rows(out, b)
+        rows = _rows(out, b)
+        self._last = ((bucket, width), b, rows)
+        return rows
+
+    def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
+                committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> Any:
+        """`GraftPlanner.observe_eager` with the same arguments, replayed from the observe graph of
+        the last `build` when ``out`` is that build's replayed output (the same object) and the
+        inputs have the captured layout (``on_path`` given, ``target_topk`` with at least the
+        successor table's k columns when it has one); else eager. Returns its `RoundStats`, whose
+        row tensors are views of the graph's buffers (valid until the next observe replay, which on
+        a stream comes after the host copy the round enqueued)."""
+        last, self._last = self._last, None
+        entry = self._observes.get(last[0]) if last is not None and out is last[2] else None
+        k = self.planner.successor_k
+        if (entry is None or on_path is None or (k > 0 and (target_topk is None or target_topk.shape[-1] < k))
+                or committed.dim() != 2):
+            self.observe_eager += 1
+            return self.planner.observe_eager(out, on_path, target_topk, committed, accept_len, slot_ids)
+        (bucket, width), b = last[0], last[1]
+        graph, ost, stats = entry
+        ost.load(b, width, on_path, target_topk, committed, accept_len)
+        _copy(self._static[bucket].slots[:b], slot_ids)
+        graph.replay()
+        self.observe_replays += 1
+        return replace(stats, sources=stats.sources[:b],
+                       expected=None if stats.expected is None else stats.expected[:b])

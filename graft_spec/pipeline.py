@@ -266,6 +266,7 @@ class GraftPlanner:
         self.buffer = HostCandidateBuffer(max_batch, width, self.device)
         self.history = TokenHistory(max_slots, r.history_len, self.device)
         self.slots_fixed = False   # `fix_slots`: set when graphs capture the per-slot buffers
+        self.dump_slot: Optional[int] = None   # `fix_slots`: the padding rows' slot
         #: the captured step (`capture_graphs`) `build` replays, or None (eager)
         self.graphs: Optional[StepGraphs] = None
         self.step = self._new_step(n)
@@ -552,16 +553,29 @@ class GraftPlanner:
             RuntimeError: growth after `fix_slots` (a captured graph reads these buffers by address,
                 so a reallocated one would be read stale by every replay).
         """
-        have = self.history.tokens.shape[0]
+        have = self.slot_capacity
         if slots > have and self.slots_fixed:
             raise RuntimeError(f"GraftPlanner: per-slot state is fixed at {have} slots once graphs are "
                                f"captured; {slots} asked (size it with ensure_slots before capture)")
-        self.history.ensure(slots)
-        self.request_correction.ensure(slots)
+        if not self.slots_fixed:
+            self.history.ensure(slots)
+            self.request_correction.ensure(slots)
+
+    @property
+    def slot_capacity(self) -> int:
+        """Engine slots the per-slot state holds (``dump_slot`` excluded)."""
+        return self.history.tokens.shape[0] - (1 if self.slots_fixed else 0)
 
     def fix_slots(self) -> None:
         """Freeze the per-slot capacity: from now on `ensure_slots` refuses to grow (graph capture
-        calls it; the buffers it reads keep their addresses for the server's life)."""
+        calls it; the buffers it reads keep their addresses for the server's life). One more row is
+        added first, ``dump_slot`` (= the capacity): a captured round's padding rows write their
+        bookkeeping there instead of into a live request's slot. Idempotent."""
+        if self.slots_fixed:
+            return
+        self.dump_slot = self.history.tokens.shape[0]
+        self.history.ensure(self.dump_slot + 1)
+        self.request_correction.ensure(self.dump_slot + 1)
         self.slots_fixed = True
 
     def reset_slots(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor) -> None:
@@ -653,6 +667,15 @@ class GraftPlanner:
 
     def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
                 committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
+        """The round's bookkeeping: replayed from the planner's observe graph when ``out`` is the
+        output of the round's replayed build (`StepGraphs.observe`), else `observe_eager`.
+        Arguments and result as `observe_eager`."""
+        if self.graphs is not None:
+            return self.graphs.observe(out, on_path, target_topk, committed, accept_len, slot_ids)
+        return self.observe_eager(out, on_path, target_topk, committed, accept_len, slot_ids)
+
+    def observe_eager(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
+                      committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
         """Device bookkeeping of a verified round (no host read): calibration counts, the slots'
         per-request correction windows, successor table, the committed tokens appended to the
         slots' history, and the calibrator's estimate table refreshed in place for the next build

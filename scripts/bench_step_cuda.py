@@ -10,8 +10,8 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
   them after the draft graph (wall time per round with a device synchronise at the end; this is the
   launch-bound cost the GPU sees when nothing else hides it);
 * ``graphs``: what the worker runs on CUDA: `graft_spec.graphs.StepGraphs` replays ``build`` from a
-  CUDA graph (input copies, one replay; the outputs are views) and ``observe`` runs eagerly (wall time per
-  round with a synchronise). Capture succeeding is itself the check that the step has no host read,
+  CUDA graph (input copies, one replay; the outputs are views) and ``observe`` replays its own graph
+  over the build graph's outputs (input copies, one replay; wall time per round with a synchronise). Capture succeeding is itself the check that the step has no host read,
   no host-to-device copy of a fresh Python value and no data-dependent shape; every replayed tree
   is compared with an eager build of the same inputs;
 * ``host_side``: the host work that runs off the critical path (suffix proposals + buffer fill for
@@ -191,13 +191,14 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     if dev.type != "cuda":
         return row
 
-    # ---- graphs: the product's StepGraphs (graft_spec/graphs.py) replays build; observe stays eager
+    # ---- graphs: the product's StepGraphs (graft_spec/graphs.py) replays build and observe
     graphs = StepGraphs(planner, topk, depth, buckets=[b])
     try:
         graphs.capture()
     except Exception as exc:  # report, do not hide: capture failing means a host read or copy
         row["graph_error"] = f"{type(exc).__name__}: {exc}"[:500]
         return row
+    planner.graphs = graphs                        # planner.observe replays after a replayed build
     graph_t = []
     for it in range(rounds + 3):
         x, _ = inputs()
@@ -214,11 +215,11 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
         advance()
     # the last replayed tree against an eager build of the same inputs and calibrator state, which the
     # replays left as eager rounds would (tests/test_core_graphs.py)
-    ref = planner.build(*last[0])
+    ref = planner.build_eager(*last[0])
     equal = [bool(torch.equal(last[1], ref.tree.tokens) and torch.equal(last[2], ref.tree.parents)
                   and torch.equal(last[3], ref.mask))]
     with _reference_kernels():   # the same build with the torch reference of every fused kernel, on the device
-        torch_ref = planner.build(*last[0])
+        torch_ref = planner.build_eager(*last[0])
     row["fused_trees_equal_reference"] = bool(torch.equal(ref.tree.tokens, torch_ref.tree.tokens)
                                                and torch.equal(ref.tree.parents, torch_ref.tree.parents)
                                                and torch.equal(ref.mask, torch_ref.mask))
@@ -233,6 +234,7 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
                build_kernels_per_round=build_kernels,
                observe_kernels_per_round=observe_kernels,
                graph_trees_equal_eager=all(equal), replays=graphs.replays,
+               observe_replays=graphs.observe_replays,
                eager_over_graphs=round(statistics.median(eager_t) / max(statistics.median(graph_t), 1e-9), 2))
     return row
 

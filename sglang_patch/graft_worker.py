@@ -523,8 +523,9 @@ class GraftWorker(EAGLEWorkerV2):
                     return
                 raise
             self.step_path = f"{kernel_path()}, {'CUDA graphs' if graphed else 'eager'}"
-            logger.info("graft step: %s (%d graphs: batch sizes %s, widths %s)", self.step_path, graphs.captured,
-                        list(graphs.buckets), list(graphs.widths))
+            logger.info("graft step: %s (%d build and %d observe graphs: batch sizes %s, widths %s)",
+                        self.step_path, graphs.captured, graphs.observes_captured, list(graphs.buckets),
+                        list(graphs.widths))
             return
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):

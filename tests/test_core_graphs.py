@@ -11,6 +11,8 @@ eager build in between leave the planner exactly as eager rounds do. The CUDA te
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -139,7 +141,7 @@ def test_replay_equals_eager_for_padded_batches_and_updated_tables():
     planner = _planner("cuda")
     graphs = StepGraphs(planner, TOPK, STEPS, buckets=[1, 4, 16])
     graphs.capture()
-    assert graphs.captured == 3 * 2                               # widths 12 and 24 (1 is a plain round)
+    assert graphs.captured == graphs.observes_captured == 3 * 2   # widths 12 and 24 (1 is a plain round)
     for rnd, (b, width) in enumerate([(1, 24), (3, 12), (4, 24), (9, 24), (16, 12), (2, 24)]):
         args = _inputs(b, rnd, "cuda", planner.buffer.width)
         eager = planner.build(*args, num_nodes=width)
@@ -208,82 +210,130 @@ def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, 
     return trees
 
 
-def _captured_build(planner: GraftPlanner, b: int, width: int):
-    """`StepGraphs`' captured call (``_call`` over a bucket's static inputs, ``b`` rows) recorded once
-    by ``make_fx`` and replayed per call after `_Static.load` (the CPU stand-in of its capture and
-    replay)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from graft_spec.graphs import _Static
-
-    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[b], widths=[width])
-    st = graphs._make_static(b)
-    st.load(*_inputs(b, 0, "cpu", planner.buffer.width))
-    tensors = [st.draft.scores, st.draft.tokens, st.draft.parent_list, st.roots, st.host_block, st.slots,
-               st.seq_lens, st.sampled]
-    meta = {}
-
-    def step(*flat):
-        d = DenseDraft(*flat[:3], TOPK, STEPS)
-        out = graphs._call(_Static(d, *flat[3:]), width)
-        meta["factors"] = out.factors is not None
-        return (out.tree.tokens, out.tree.parents, out.tree.logp, out.tree.source, out.member_bins, out.depth,
-                out.positions, out.mask, out.first_child, out.next_sibling, out.estimates, out.groups, out.gain,
-                *(out.factors or ()))
-
-    graph = make_fx(step)(*tensors)
-
-    def replay(draft, roots, host, slots, seq_lens, sampled):
-        st.load(draft, roots, host, slots, seq_lens, sampled)
-        o = [t.clone() for t in graph(*tensors)]
-        tree = DraftTree(*o[:4])
-        return StepOutput(tree, *o[4:10], planner.calibrator.table, o[11], o[12],
-                          tuple(o[13:15]) if meta["factors"] else None)
-
-    return replay
+def _leaves(obj) -> list:
+    """The tensors of a (nested) dataclass / tuple output, in field order (None skipped)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _leaves(getattr(obj, f.name))]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _leaves(x)]
+    return []
 
 
-@pytest.mark.parametrize("width", [24, 12])
-def test_captured_build_replays_many_rounds_like_eager(width):
-    """Replaying a recorded build for many rounds, with no eager build in between, gives the
-    trees and the planner state (calibration counts, source windows, estimate table, per-request
-    windows, successor table, history) of eager rounds, bit for bit."""
+def _rebuild(obj, leaves: list):
+    """``obj`` with its tensors (`_leaves` order) replaced by ``leaves`` (consumed from the front)."""
+    if isinstance(obj, torch.Tensor):
+        return leaves.pop(0)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _rebuild(getattr(obj, f.name), leaves)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(x, leaves) for x in obj)
+    return obj
+
+
+class FxRecorder:
+    """`StepGraphs.capture`'s recorder on CPU: ``make_fx`` records the call once (the static
+    buffers and the planner's tables are referenced, not copied, as a CUDA graph reads them by
+    address) and a replay runs the recorded ops, writing the outputs into the buffers the capture
+    returned, as a CUDA graph's replay does. The warm-up and the trace run the call for real, as
+    torch's CUDA capture warms up; the captured observe has every row padding then."""
+
+    class _Graph:
+        def __init__(self, gm, outs):
+            self.gm, self.outs = gm, outs
+
+        def replay(self) -> None:
+            for dst, src in zip(self.outs, self.gm()):
+                dst.copy_(src)
+
+    def record(self, fn):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        fn()
+        gm = make_fx(lambda: _leaves(fn()))()
+        template = fn()
+        outs = [t.clone() for t in _leaves(template)]
+        return self._Graph(gm, outs), _rebuild(template, list(outs))
+
+
+@pytest.mark.parametrize("width,observe", [(24, True), (12, True), (24, False)])
+def test_captured_round_replays_many_rounds_like_eager(width, observe):
+    """`StepGraphs` captured on CPU (`FxRecorder`: the build, and the observe unless off) and
+    replayed for many rounds with no eager build or observe in between, 4 rows in a bucket of 6
+    (two padding rows), gives the trees and the planner state (calibration counts, source windows,
+    estimate table, metrics, per-request windows, successor table, history) of eager rounds, bit
+    for bit."""
     vocab, b, rounds = 50, 4, 12
     eager, captured = _planner("cpu"), _planner("cpu")
     eager_trees = _run_rounds(eager, lambda *a: eager.build(*a, num_nodes=width), rounds, b, "cpu", vocab)
-    replay = _captured_build(captured, b, width)
-    replay_trees = _run_rounds(captured, replay, rounds, b, "cpu", vocab)
+    graphs = StepGraphs(captured, TOPK, STEPS, buckets=[6], widths=[width], observe=observe)
+    graphs.capture(FxRecorder())
+    captured.graphs = graphs
+    assert captured.dump_slot == 32 and captured.slot_capacity == 32
+    replay_trees = _run_rounds(captured, lambda *a: captured.build(*a, num_nodes=width), rounds, b, "cpu", vocab)
+    assert graphs.replays == rounds and graphs.eager == 0
+    assert (graphs.observe_replays, graphs.observe_eager) == ((rounds, 0) if observe else (0, rounds))
     for rnd, (x, y) in enumerate(zip(eager_trees, replay_trees)):
         assert torch.equal(x, y), f"round {rnd}: replayed tree differs"
     want, got = _state(eager), _state(captured)
     assert want["trials"].sum() > 0 and want["recent"][:, 0].sum() > 0     # the rounds credited something
     for name in want:
-        assert torch.equal(want[name], got[name]), f"{name} differs after {rounds} replayed rounds"
+        w, g = want[name], got[name]
+        if name in ("request", "history", "count"):
+            g = g[:32]                                  # the captured planner's dump slot is row 32
+        assert torch.equal(w, g), f"{name} differs after {rounds} replayed rounds"
+
+
+def test_observe_of_another_tree_runs_eagerly():
+    """Only the last replayed build's own output is observed by a replay: a second observe of it
+    and the observe of an eager build run eagerly."""
+    planner = _planner("cpu")
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4], widths=[24])
+    graphs.capture(FxRecorder())
+    planner.graphs = graphs
+    gen = torch.Generator().manual_seed(3)
+    args = _inputs(3, 5, "cpu", planner.buffer.width)
+    out = planner.build(*args)
+    planner.observe(out, *_verify(out, VOCAB, gen), args[3])
+    assert (graphs.replays, graphs.observe_replays) == (1, 1)
+    planner.observe(out, *_verify(out, VOCAB, gen), args[3])              # the same build again: eager
+    other = planner.build_eager(*args)
+    planner.observe(other, *_verify(other, VOCAB, gen), args[3])
+    assert (graphs.observe_replays, graphs.observe_eager) == (1, 2)
 
 
 @cuda
 def test_graph_replays_many_rounds_like_eager_on_cuda():
-    """`StepGraphs` replays with no eager build in between end in the eager rounds' planner state."""
+    """`StepGraphs` replays of build and observe (4 rows in a bucket of 6), with no eager round in
+    between, end in the eager rounds' planner state."""
     vocab, b, rounds = 50, 4, 12
     eager, captured = _planner("cuda"), _planner("cuda")
-    graphs = StepGraphs(captured, TOPK, STEPS, buckets=[4])
+    graphs = StepGraphs(captured, TOPK, STEPS, buckets=[6])
     graphs.capture()
+    captured.graphs = graphs
+    assert graphs.observes_captured == graphs.captured == 2
     eager_trees = _run_rounds(eager, lambda *a: eager.build(*a), rounds, b, "cuda", vocab)
-    replay_trees = _run_rounds(captured, lambda *a: graphs.build(*a), rounds, b, "cuda", vocab)
-    assert graphs.replays == rounds and graphs.eager == 0
+    replay_trees = _run_rounds(captured, lambda *a: captured.build(*a), rounds, b, "cuda", vocab)
+    assert graphs.replays == graphs.observe_replays == rounds and graphs.eager == graphs.observe_eager == 0
     for x, y in zip(eager_trees, replay_trees):
         assert torch.equal(x, y)
     want, got = _state(eager), _state(captured)
     for name in want:
-        assert torch.allclose(want[name].double(), got[name].double()), name
+        g = got[name][:32] if name in ("request", "history", "count") else got[name]   # row 32: the dump slot
+        assert torch.allclose(want[name].double(), g.double()), name
 
 
 def test_per_slot_state_is_fixed_once_graphs_capture_it():
     """A captured build reads the token history and per-request windows by address: after
-    `fix_slots` (what `StepGraphs.capture` calls first) they never reallocate, growth is refused."""
+    `fix_slots` (what `StepGraphs.capture` calls first, which adds the padding rows' dump slot)
+    they never reallocate, growth is refused."""
     planner = _planner("cpu")
-    tokens, recent = planner.history.tokens, planner.request_correction.recent
     planner.fix_slots()
+    tokens, recent = planner.history.tokens, planner.request_correction.recent
+    assert planner.dump_slot == 32 and tokens.shape[0] == recent.shape[0] == 33
+    planner.fix_slots()                                       # idempotent
     planner.ensure_slots(32)                                  # within capacity: nothing to do
     with pytest.raises(RuntimeError, match="fixed at 32 slots"):
         planner.ensure_slots(33)
