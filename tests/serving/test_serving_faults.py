@@ -244,7 +244,7 @@ def _corpus_file(tmp_path: Path, entries) -> Path:
     return p
 
 
-#: Each launch must fail within this many seconds (four at a time on 2 cores).
+#: Each launch must fail within this many seconds (four processes at a time on 2 cores).
 LAUNCH_LIMIT_S = 240
 
 
@@ -265,12 +265,44 @@ def _launch(model: Path, args: List[str], env: Dict[str, str]) -> Dict[str, Any]
     return {"rc": rc, "out": out, "s": time.monotonic() - t0}
 
 
+def _refusals(model: Path, cases: Dict[str, Any], tmp_path: Path) -> Dict[str, Dict[str, Any]]:
+    """Every case's start-up in one process (tests/serving/refusals.py: SGLang's parsing and
+    resolution, where ``launch_server`` refuses them): ``{name: {"rc", "out", "s"}}``."""
+    import json
+    import os
+
+    from sglang_patch.launcher import CPU_SERVER_ARGS
+
+    spec = {name: {"argv": ["--model-path", str(model), "--host", "127.0.0.1", "--port", "1", *CPU_SERVER_ARGS,
+                            "--speculative-algorithm", "graft", *args], "env": env}
+            for name, (args, env, _) in cases.items()}
+    path = tmp_path / "refusals.json"
+    path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("refusals.py")), str(path)],
+                       capture_output=True, text=True, timeout=LAUNCH_LIMIT_S, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-2000:]
+    results = json.loads(p.stdout.strip().splitlines()[-1])
+    s = (time.monotonic() - t0) / max(1, len(results))
+    return {k: {**v, "s": s} for k, v in results.items()}
+
+
+#: the cases launched as a real server process (the others start up in one process, `_refusals`)
+LAUNCHED = ("unknown_field_in_file", "unknown_flag", "dp_attention")   # dp attention: refused after resolution
+
+
 def test_invalid_plugin_configuration_refuses_to_start(quick_models, tmp_path, record_property):
+    """Every invalid setting stops start-up with a message naming it, before any model loads. Three
+    cases run ``python -m sglang.launch_server`` itself (non-zero exit); the others run the same
+    start-up (SGLang's argument parsing and resolution, where the launcher refuses them) in one
+    process, which imports SGLang once instead of once per case."""
     cases = _invalid_launches(quick_models.draft, tmp_path)
-    with ThreadPoolExecutor(min(4, len(cases))) as pool:
-        futures = {name: pool.submit(_launch, quick_models.target, args, env)
-                   for name, (args, env, _) in cases.items()}
-        results = {name: f.result() for name, f in futures.items()}
+    with ThreadPoolExecutor(len(LAUNCHED) + 1) as pool:
+        launched = {name: pool.submit(_launch, quick_models.target, cases[name][0], cases[name][1])
+                    for name in LAUNCHED}
+        rest = pool.submit(_refusals, quick_models.target,
+                           {k: v for k, v in cases.items() if k not in LAUNCHED}, tmp_path)
+        results = {**{name: f.result() for name, f in launched.items()}, **rest.result()}
     problems = []
     for name, (_, _, words) in cases.items():
         r = results[name]
