@@ -1,4 +1,4 @@
-"""A graft server under load: 200 requests at concurrency 32 with 20% client disconnects, and one
+"""A graft server under load: 128 requests at concurrency 32 with 20% client disconnects, and one
 mixed batch (greedy + sampled, stop strings / stop ids, 1-token prompts, prompts near the context
 length, max_new_tokens from 1 to 32).
 
@@ -32,9 +32,10 @@ from .conftest import (CONTEXT_LENGTH, MAX_RUNNING, RESERVED, SUFFIX_MAX_NODES, 
 
 pytestmark = [pytest.mark.server, pytest.mark.models]
 
-N_REQUESTS = 200
+N_REQUESTS = 128
+FIRST_PASS = 96                 # requests past it send the first halves of earlier prompts
 CONCURRENCY = 32
-DISCONNECT_EVERY = 5            # request i disconnects when i % 5 == 4: 40 of 200 (20%)
+DISCONNECT_EVERY = 5            # request i disconnects when i % 5 == 4: 25 of 128 (20%)
 MAX_NEW = (16, 24)
 
 # ---------------------------------------------------------------------------------------- load run
@@ -54,8 +55,8 @@ def _load_plan() -> List[Dict[str, Any]]:
     prompts = load_prompts()
     plan = []
     for i in range(N_REQUESTS):
-        text = prompts[i % len(prompts)]
-        if i >= len(prompts):  # a second pass over the prompts: their first halves (radix-cache hits)
+        text = prompts[(i % FIRST_PASS) * len(prompts) // FIRST_PASS]   # spread over both prompt sets
+        if i >= FIRST_PASS:  # a second pass over the prompts: their first halves (radix-cache hits)
             text = text[: max(8, len(text) // 2)]
         if i % DISCONNECT_EVERY == DISCONNECT_EVERY - 1:
             plan.append({"kind": "disconnect", "prompt": text,
@@ -97,7 +98,7 @@ async def _drive(url: str, plan: List[Dict[str, Any]], run: LoadRun) -> None:
 
 @pytest.fixture(scope="module")
 def load_run(servers) -> LoadRun:
-    """200 requests at concurrency 32 on the graft server, /server_info sampled every 0.5 s."""
+    """128 requests at concurrency 32 on the graft server, /server_info sampled every 0.5 s."""
     plan = _load_plan()
     run = LoadRun(plan=plan, results=[])
     run.before = wait_idle(servers.graft.url, servers.baseline, timeout_s=120)
