@@ -108,13 +108,14 @@ class _ObserveStatic:
     row_ids: torch.Tensor
     loaded_rows: int = -1          # host-side: the batch ``rows`` holds (its fill is skipped when equal)
 
-    def load(self, b: int, width: int, on_path, topk, committed, accept_len) -> None:
+    def load(self, b: int, on_path, topk, committed, accept_len) -> None:
         """Copy a round's verify outcome of ``b`` rows into the first rows (device copies; an input
         already in place is not copied; ``committed`` wider than the buffer is cut to it: only the
         first ``accept_len <= width`` tokens are read)."""
         _copy(self.on_path[:b], on_path)
         if self.topk is not None:
-            _copy(self.topk[: b * width], topk.reshape(b * width, -1)[:, : self.topk.shape[1]])
+            rows = b * self.on_path.shape[1]
+            _copy(self.topk[:rows], topk.reshape(rows, -1)[:, : self.topk.shape[1]])
         c = min(self.committed.shape[1], committed.shape[1])
         _copy(self.committed[:b, :c], committed[:, :c])
         _copy(self.accept_len[:b], accept_len)
@@ -217,7 +218,7 @@ class StepGraphs:
         self._static: Dict[int, _Static] = {}
         self._graphs: Dict[Tuple[int, int], Tuple[Replayable, StepOutput]] = {}
         self._observes: Dict[Tuple[int, int], Tuple[Replayable, _ObserveStatic, Any]] = {}
-        self._last: Optional[Tuple[Tuple[int, int], int, StepOutput]] = None   # the last replayed build
+        self._last: Optional[Tuple[Tuple[int, int], StepOutput]] = None   # the last replayed build
         self.replays = 0
         self.eager = 0
         self.observe_replays = 0
@@ -334,7 +335,7 @@ class StepGraphs:
         graph.replay()
         self.replays += 1
         rows = _rows(out, b)
-        self._last = ((bucket, width), b, rows)
+        self._last = ((bucket, width), rows)
         return rows
 
     def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
@@ -346,15 +347,15 @@ class StepGraphs:
         row tensors are views of the graph's buffers (valid until the next observe replay, which on
         a stream comes after the host copy the round enqueued)."""
         last, self._last = self._last, None
-        entry = self._observes.get(last[0]) if last is not None and out is last[2] else None
+        entry = self._observes.get(last[0]) if last is not None and out is last[1] else None
         k = self.planner.successor_k
         if (entry is None or on_path is None or (k > 0 and (target_topk is None or target_topk.shape[-1] < k))
                 or committed.dim() != 2):
             self.observe_eager += 1
             return self.planner.observe_eager(out, on_path, target_topk, committed, accept_len, slot_ids)
-        (bucket, width), b = last[0], last[1]
+        bucket, b = last[0][0], out.tree.tokens.shape[0]
         graph, ost, stats = entry
-        ost.load(b, width, on_path, target_topk, committed, accept_len)
+        ost.load(b, on_path, target_topk, committed, accept_len)
         _copy(self._static[bucket].slots[:b], slot_ids)
         graph.replay()
         self.observe_replays += 1

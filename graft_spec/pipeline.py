@@ -557,9 +557,8 @@ class GraftPlanner:
         if slots > have and self.slots_fixed:
             raise RuntimeError(f"GraftPlanner: per-slot state is fixed at {have} slots once graphs are "
                                f"captured; {slots} asked (size it with ensure_slots before capture)")
-        if not self.slots_fixed:
-            self.history.ensure(slots)
-            self.request_correction.ensure(slots)
+        self.history.ensure(slots)
+        self.request_correction.ensure(slots)
 
     @property
     def slot_capacity(self) -> int:

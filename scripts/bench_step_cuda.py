@@ -10,9 +10,10 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
   them after the draft graph (wall time per round with a device synchronise at the end; this is the
   launch-bound cost the GPU sees when nothing else hides it);
 * ``graphs``: what the worker runs on CUDA: `graft_spec.graphs.StepGraphs` replays ``build`` from a
-  CUDA graph (input copies, one replay; the outputs are views) and ``observe`` replays its own graph
-  over the build graph's outputs (input copies, one replay; wall time per round with a synchronise). Capture succeeding is itself the check that the step has no host read,
-  no host-to-device copy of a fresh Python value and no data-dependent shape; every replayed tree
+  CUDA graph (input copies, one replay; the outputs are views) and ``observe`` replays its own
+  graph over the build graph's outputs (input copies, one replay; wall time per round with a
+  synchronise). Capture succeeding is itself the check that the step has no host read, no
+  host-to-device copy of a fresh Python value and no data-dependent shape; every replayed tree
   is compared with an eager build of the same inputs;
 * ``host_side``: the host work that runs off the critical path (suffix proposals + buffer fill for
   the batch, CPU wall time), overlapped with drafting on a GPU.

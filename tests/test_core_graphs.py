@@ -1,12 +1,12 @@
 """`StepGraphs`: the graft step replayed from CUDA graphs equals the eager step, for padded batches,
 every captured width and tables that `observe` keeps updating between rounds.
 
-A captured build runs its recorded device ops on every replay and none of the Python around them:
-state the build assigned from Python during capture is never assigned again. On CPU,
-``make_fx`` records one call the same way (the planner's tables are referenced, not copied), so
-`test_captured_build_replays_many_rounds_like_eager` checks that many replayed rounds with no
-eager build in between leave the planner exactly as eager rounds do. The CUDA tests run on a GPU
-(scripts/bench_step_cuda.py prints the same check per shape).
+A captured build or observe runs its recorded device ops on every replay and none of the Python
+around them: state assigned from Python during capture is never assigned again. On CPU,
+``make_fx`` records one call the same way (`FxRecorder`: the planner's tables are referenced, not
+copied), so `test_captured_round_replays_many_rounds_like_eager` checks that many replayed rounds
+(build and observe) with no eager round in between leave the planner exactly as eager rounds do.
+The CUDA tests run on a GPU (scripts/bench_step_cuda.py prints the same check per shape).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from graft_spec.graphs import StepGraphs
 from graft_spec.pipeline import GraftPlanner
 from graft_spec.retrieval.buffer import HostCandidates
 from graft_spec.step import DenseDraft, StepOutput
-from graft_spec.tree import DraftTree
 
 from sglang_patch.bench.step import OpCounter
 from test_core_step import dense_inputs
