@@ -45,6 +45,7 @@ switching the verify shape per round reuses SGLang's adaptive runtime states
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Hashable, Optional, Sequence, Tuple
@@ -103,7 +104,7 @@ class _Timing:
         """One measured round; the median is recomputed here, once, not on every read."""
         self.window.append(seconds)
         self.samples += 1
-        self.seconds = float(np.median(self.window))
+        self.seconds = statistics.median(self.window)   # a few floats: no array round trip
 
 
 @dataclass

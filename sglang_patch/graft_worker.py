@@ -110,6 +110,14 @@ class _DenseTreeSink:
         if parent_list.shape[1] > 0:
             self.parents[:bs].copy_(parent_list)
 
+    def dense(self, topk: int, steps: int, bs: Optional[int] = None, scores: Optional[torch.Tensor] = None
+              ) -> DenseDraft:
+        """The sink's first ``bs`` rows (all when None) as the step's `DenseDraft`, read in place;
+        ``scores`` replaces the sink's scores (the eager stop gate's zeroed undrafted depths)."""
+        rows = slice(None) if bs is None else slice(0, bs)
+        return DenseDraft(self.scores[rows] if scores is None else scores, self.tokens[rows], self.parents[rows],
+                          topk, steps)
+
 
 @dataclass
 class _RoundHost:
@@ -235,7 +243,7 @@ class GraftDraftWorker(EagleDraftWorker):
         if self._depth_limit is not None:  # nodes deeper than the stop depth were never drafted
             s_keep = topk + (self._depth_limit - 1) * topk * topk
             scores = torch.cat([scores[:, :s_keep], torch.zeros_like(scores[:, s_keep:])], dim=1)
-        draft = DenseDraft(scores, sink.tokens[:bs], sink.parents[:bs], topk, num_steps)   # read as it is by the step
+        draft = sink.dense(topk, num_steps, bs, scores)   # read as it is by the step
         roots = draft_input.bonus_tokens.reshape(bs).to(torch.int64)
         self.graft._slots()
         retrieved = self._gate.retrieved if gated else None   # priced by the gate before drafting
@@ -504,7 +512,7 @@ class GraftWorker(EAGLEWorkerV2):
         buckets = _ev2.get_exec().graph.cuda_graph_bs_decode if graphed else [1]
         # the graphs read the draft where the draft calls write it (no copy per round)
         sink = self._draft_worker._ensure_sink(max(buckets))
-        draft_buffer = DenseDraft(sink.scores, sink.tokens, sink.parents, self.topk, self.speculative_num_steps)
+        draft_buffer = sink.dense(self.topk, self.speculative_num_steps)
         for attempt in ("fused", "reference"):
             try:
                 graphs = self.planner.capture_graphs(self.topk, self.speculative_num_steps, buckets, self.widths,

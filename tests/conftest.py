@@ -78,6 +78,22 @@ def quick_models() -> ModelPaths:
     return ensure_models(_quick_root())
 
 
+@pytest.fixture(scope="session")
+def code_reference(quick_models) -> list[list[int]]:
+    """Greedy output ids of the quick target without speculation (concurrency 1) for the code prompts
+    of tests/test_sglang_graft_server.py (``CODE``, ``MAX_NEW`` tokens, its ``COMMON`` server
+    arguments): one server start for every module that compares against them (that module and
+    tests/test_sglang_tp.py)."""
+    from sglang_server import generate_many, serve
+    from test_sglang_graft_server import CODE, COMMON, MAX_NEW, N_PROMPTS
+
+    assert len(CODE) == N_PROMPTS, "prompt ids are read at import time: models must exist (conftest builds them)"
+    with serve(quick_models.target, COMMON, name="code_ref") as srv:
+        outs = generate_many(srv.url, CODE, concurrency=1, max_new_tokens=MAX_NEW)
+    assert all(not o["meta_info"].get("spec_verify_ct") for o in outs)
+    return [o["output_ids"] for o in outs]
+
+
 @pytest.fixture
 def check_hook_registration(monkeypatch):
     """A check for a plugin hook registered through ``sglang_patch.hooks.register_hook`` with

@@ -5,6 +5,7 @@ process group, waits for ``/health_generate``, SIGTERM then SIGKILL of the whole
 adds what tests need around it:
 
 * `serve` - context manager for session/module fixtures: start, yield, always stop.
+* `serve_all` - the same for several servers, started at once (``launcher.start_all``).
 * `generate` / `generate_many` - ``/generate`` with ``input_ids`` (token ids in, token ids out),
   concurrency via threads.
 * `accept_length` - mean accept length from ``meta_info`` (completion tokens / verify rounds).
@@ -31,9 +32,9 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import httpx
 
-from sglang_patch.launcher import CPU_SERVER_ARGS, SGLangServer, ServerStartError, free_port
+from sglang_patch.launcher import CPU_SERVER_ARGS, SGLangServer, ServerStartError, free_port, start_all
 
-__all__ = ["CPU_SERVER_ARGS", "SGLangServer", "ServerStartError", "free_port", "serve", "generate",
+__all__ = ["CPU_SERVER_ARGS", "SGLangServer", "ServerStartError", "free_port", "serve", "serve_all", "generate",
            "generate_many", "accept_length", "stream_text"]
 
 #: Generous per-request HTTP timeout (s) for 2-core CPU runs; tests bound their own total time.
@@ -67,6 +68,29 @@ def serve(model_path: str | os.PathLike, args: Sequence[str] = (), *, name: str 
         yield srv
     finally:
         srv.stop()
+
+
+@contextlib.contextmanager
+def serve_all(specs: Sequence[tuple], startup_timeout_s: float = 600.0) -> Iterator[list[SGLangServer]]:
+    """`serve` for several servers, started at once; all stopped on exit.
+
+    Args:
+        specs: ``(model_path, args, name, env)`` per server (``env`` may be None).
+    Yields:
+        the running servers, in the order of ``specs``.
+    Raises:
+        ServerStartError: a server did not start (every server is stopped first).
+    """
+    stamp = int(time.time())
+    servers = [SGLangServer(model_path=str(model), args=list(args), env=dict(env or {}),
+                            log_path=str(Path(tempfile.gettempdir()) / f"sglang_{name}_{stamp}.log"),
+                            startup_timeout_s=startup_timeout_s) for model, args, name, env in specs]
+    try:
+        start_all(servers)
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 def generate(url: str, input_ids: Sequence[int], *, max_new_tokens: int = 32,

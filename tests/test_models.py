@@ -325,7 +325,7 @@ def test_shipped_pair_manifest_matches_its_files():
 def test_sglang_serves_the_shipped_pair_losslessly():
     """SGLang on CPU loads the shipped bf16 pair (run in float32): graft's greedy output equals the
     no-speculation output on 8 dev code prompts, with accept length > 1."""
-    from sglang_server import accept_length, generate_many, serve
+    from sglang_server import accept_length, generate_many, serve_all
     from transformers import AutoTokenizer
 
     from sglang_patch.bench.prompts import load_prompts
@@ -334,11 +334,12 @@ def test_sglang_serves_the_shipped_pair_losslessly():
     rows = load_prompts(SHIPPED.parents[1] / "data" / "humaneval_dev.jsonl", 8)
     prompts = [tok.encode(r.text, add_special_tokens=False)[-192:] for r in rows]
     common = ["--dtype", "float32", "--random-seed", "0"]
-    with serve(SHIPPED / "target", common, name="shipped_ref") as srv:
-        ref = [o["output_ids"] for o in generate_many(srv.url, prompts, max_new_tokens=64)]
     graft = ["--speculative-algorithm", "graft", "--speculative-draft-model-path", str(SHIPPED / "draft"),
              "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "24"]
-    with serve(SHIPPED / "target", [*common, *graft], name="shipped_graft") as srv:
+    specs = [(SHIPPED / "target", common, "shipped_ref", None),
+             (SHIPPED / "target", [*common, *graft], "shipped_graft", None)]
+    with serve_all(specs) as (nospec, srv):   # started at once, sent their prompts in turn
+        ref = [o["output_ids"] for o in generate_many(nospec.url, prompts, max_new_tokens=64)]
         outs = generate_many(srv.url, prompts, concurrency=4, max_new_tokens=64)
     assert [o["output_ids"] for o in outs] == ref
     print(f"\nshipped pair: graft accept length {accept_length(outs):.3f}")

@@ -43,7 +43,7 @@ from graft_spec.sources import GRAFTED_SOURCES, SOURCE_LETTERS
 from sglang_patch.bench.report import calibration_delta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_server import accept_length, generate_many, serve, stream_text  # noqa: E402
+from sglang_server import accept_length, generate_many, serve, serve_all, stream_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "models" / "quick"
@@ -104,11 +104,9 @@ def _worker_stats(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Greedy output ids of the target without speculation (concurrency 1)."""
-    assert len(CODE) == N_PROMPTS, "prompt ids are read at import time: models must exist (conftest builds them)"
-    with serve(QUICK / "target", COMMON, name="graft_ref") as srv:
-        return [o["output_ids"] for o in _run(srv.url, 1)]
+def reference(code_reference):
+    """Greedy output ids of the target without speculation (concurrency 1; tests/conftest.py)."""
+    return code_reference
 
 
 @pytest.fixture(scope="module")
@@ -459,13 +457,12 @@ class TestDeferredDraftExtend:
 
     @pytest.fixture(scope="class")
     def runs(self, reference):
-        out = {}
-        for defer in ("true", "false"):
-            env = {**self.SCHEDULE, "GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": defer}
-            with serve(QUICK / "target", [*COMMON, *GRAFT], name=f"graft_defer_{defer}", env=env) as srv:
-                outs = _run(srv.url, 1)
-                out[defer] = (outs, _worker_stats(srv.url))
-        return out
+        """Both servers started at once (their starts overlap), then sent the code prompts in turn."""
+        defers = ("true", "false")
+        specs = [(QUICK / "target", [*COMMON, *GRAFT], f"graft_defer_{defer}",
+                  {**self.SCHEDULE, "GRAFTCFG_BATCH_BUDGET__DEFER_DRAFT_EXTEND": defer}) for defer in defers]
+        with serve_all(specs) as servers:
+            return {defer: (_run(srv.url, 1), _worker_stats(srv.url)) for defer, srv in zip(defers, servers)}
 
     def test_same_outputs_and_draft_acceptance(self, runs, reference, record_property):
         (on, info_on), (off, info_off) = runs["true"], runs["false"]

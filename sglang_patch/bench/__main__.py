@@ -39,7 +39,7 @@ from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, bu
 from sglang_patch.bench.prompts import load_prompts, split_warmup
 from sglang_patch.bench.report import (add_ratios, calibration_delta, equal_outputs, markdown_table, merge_calibration,
                                        sum_histograms, summarize, text_quality, write_json, write_plots)
-from sglang_patch.launcher import SGLangServer, alone
+from sglang_patch.launcher import SGLangServer, alone, start_all
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -162,20 +162,27 @@ def main(argv: List[str] | None = None) -> int:
         per_cell.setdefault((spec.label, set_name, mode, c), []).append(row)
         bar.update(1)
 
-    def start(spec: MethodSpec, stack: contextlib.ExitStack) -> "_Server":
+    def server_of(spec: MethodSpec, stack: contextlib.ExitStack) -> SGLangServer:
         args = spec.server_args() + (a.server_args.split() if a.server_args else [])
+        srv = SGLangServer(a.target, args, log_path=str(work / f"{spec.label}.log"))
+        stack.callback(srv.stop)
+        return srv
+
+    def start(spec: MethodSpec, stack: contextlib.ExitStack) -> "_Server":
         bar.set_postfix_str(f"{spec.label}: starting server")
-        t_start = time.perf_counter()
-        srv = stack.enter_context(SGLangServer(a.target, args, log_path=str(work / f"{spec.label}.log")))
-        server = _Server(spec, srv, time.perf_counter() - t_start)
+        srv = server_of(spec, stack).start()
         _warm_up(srv.url, warmup, sets, a)
-        return server
+        return _Server(spec, srv, srv.startup_s)
 
     servers: List[_Server] = []
     if a.interleave:
         with contextlib.ExitStack() as stack:
-            servers = [start(spec, stack) for spec in methods]
-            everyone = [s.srv for s in servers]
+            bar.set_postfix_str(f"starting {len(methods)} servers")
+            everyone = start_all([server_of(spec, stack) for spec in methods])   # at once: starts overlap
+            servers = [_Server(spec, srv, srv.startup_s) for spec, srv in zip(methods, everyone)]
+            for server in servers:
+                with alone(server.srv, everyone):
+                    _warm_up(server.srv.url, warmup, sets, a)
             for i, run in enumerate(runs):
                 for server in interleave_order(servers, i):
                     with alone(server.srv, everyone):   # the others paused: they steal no time slices

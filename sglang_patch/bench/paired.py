@@ -47,7 +47,7 @@ import httpx
 from sglang_patch.bench.methods import MethodSpec, interleave_order
 from sglang_patch.bench.prompts import load_prompts
 from sglang_patch.bench.report import write_json
-from sglang_patch.launcher import SGLangServer, alone
+from sglang_patch.launcher import SGLangServer, alone, start_all
 
 #: the extra method of this tool: graft with every decode round plain (verify width 1)
 PLAIN = "graft_plain"
@@ -188,9 +188,10 @@ def main(argv: List[str] | None = None) -> int:
             spec = MethodSpec("graft" if m == PLAIN else m, m, None if m == "nospec" else a.budget,
                               a.depth, a.topk, a.draft)
             args = spec.server_args() + a.server_args.split()
-            servers[m] = stack.enter_context(SGLangServer(a.target, args, env=_PLAIN_ENV if m == PLAIN else {},
-                                                          log_path=str(work / f"{m}.log")))
-        everyone = list(servers.values())
+            servers[m] = SGLangServer(a.target, args, env=_PLAIN_ENV if m == PLAIN else {},
+                                      log_path=str(work / f"{m}.log"))
+            stack.callback(servers[m].stop)
+        everyone = start_all(list(servers.values()))   # at once: their starts overlap
         for srv in everyone:   # warm up: compiled paths, first-use allocations, in every mode
             with alone(srv, everyone):
                 for mode in a.modes:

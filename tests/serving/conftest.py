@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Dict, List
 
 import pytest
 
-from sglang_patch.launcher import SGLangServer
+from sglang_patch.launcher import SGLangServer, start_all
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT_LENGTH = 1024
@@ -96,26 +95,6 @@ class Servers:
     baseline: Dict
 
 
-def _start_all(servers: List[SGLangServer]) -> None:
-    errors: List[BaseException] = []
-
-    def start(s: SGLangServer) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers:
-            s.stop()
-        raise errors[0]
-
-
 @pytest.fixture(scope="package")
 def servers(quick_models) -> Servers:
     """Start ``nospec`` and ``graft`` in parallel; stop both after the package's last test."""
@@ -133,7 +112,7 @@ def servers(quick_models) -> Servers:
     graft = SGLangServer(model_path=str(quick_models.target),
                          args=[*COMMON, *graft_args(quick_models.draft)],
                          log_path=f"/tmp/serving_graft_{stamp}.log")
-    _start_all([nospec, graft])
+    start_all([nospec, graft])
     try:
         yield Servers(nospec, graft, server_stats(graft.url))
     finally:

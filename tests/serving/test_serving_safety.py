@@ -24,15 +24,16 @@ import asyncio
 import contextlib
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 import httpx
 import pytest
 
-from sglang_patch.launcher import SGLangServer
+from sglang_patch.launcher import SGLangServer, start_all
 
 from .client import generate, healthy, new_client, payload, server_stats, stream_and_disconnect, wait_idle
-from .conftest import COMMON, ROOT, graft_args, load_prompts
+from .conftest import COMMON, graft_args, load_prompts
 
 pytestmark = [pytest.mark.server, pytest.mark.models]
 
@@ -72,14 +73,12 @@ def special(quick_models, servers):
     """Three more graft servers with N every round, started in parallel: the default isolation, one
     isolation group (``retrieval.max_tenants: 1``), and one whose graft step fails in decode rounds
     3, 6 and 9."""
-    from .conftest import _start_all
-
     stamp = int(time.time())
     envs = {"isolation": FIXED_N, "tenants1": {**FIXED_N, "GRAFTCFG_RETRIEVAL__MAX_TENANTS": "1"},
             "faulty": {**FIXED_N, "GRAFT_FAULT_FAILING_ROUNDS": "3,6,9"}}
     out = {name: SGLangServer(model_path=str(quick_models.target), args=[*COMMON, *graft_args(quick_models.draft)],
                               env=env, log_path=f"/tmp/serving_{name}_{stamp}.log") for name, env in envs.items()}
-    _start_all(list(out.values()))
+    start_all(list(out.values()))
     try:
         yield out
     finally:
@@ -151,20 +150,50 @@ FEATURES: Dict[str, Dict[str, Any]] = {
 }
 
 
-def _compare(url: str, ref: str, prompt, spec: Dict[str, Any]) -> None:
-    body = payload(prompt, spec["sampling"])
-    a, b = _ok(url, body), _ok(ref, body)
-    if isinstance(a, list) or isinstance(b, list):     # n > 1 answers a list
-        assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
-    else:
-        assert a["output_ids"] == b["output_ids"], (a["output_ids"], b["output_ids"])
+#: features SGLang applies through its penalizer (``sampling/penaltylib``): their outputs depend on
+#: how the overlap scheduler batches requests, in a server without speculation too (the per-round
+#: accumulation, ``ScheduleBatch.cumulate_penalty_output_tokens``, reads each request's last output
+#: token, which at times lags a round), so they are sent one at a time
+PENALIZED = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens")
+#: the features whose batch graft runs plain besides those (SGLang's decode step:
+#: sglang_patch/request_features.py); the rest it speculates through
+PLAIN_ONLY = ("min_p",)
+
+
+def _wave(url: str, names, prompts) -> Dict[tuple, Any]:
+    """Every feature of ``names`` on every prompt, all requests at once: ``{(name, prompt index): reply}``."""
+    bodies = [((name, i), payload(p, FEATURES[name]["sampling"])) for name in names for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return dict(zip((key for key, _ in bodies), pool.map(lambda kb: _ok(url, kb[1]), bodies)))
+
+
+def _feature_replies(url: str, prompts) -> Dict[tuple, Any]:
+    """The penalized features one request at a time, then the other plain-round features at once,
+    then the speculated ones at once (one plain request turns its whole batch's round plain, so the
+    structured and ``n > 1`` requests share no batch with them)."""
+    out = {(name, i): _ok(url, payload(p, FEATURES[name]["sampling"])) for name in PENALIZED
+           for i, p in enumerate(prompts)}
+    speculated = [n for n in FEATURES if n not in PENALIZED + PLAIN_ONLY]
+    return {**out, **_wave(url, PLAIN_ONLY, prompts), **_wave(url, speculated, prompts)}
+
+
+@pytest.fixture(scope="module")
+def feature_replies(servers) -> Dict[str, Dict[tuple, Any]]:
+    """Two prompts per feature (`_feature_replies`), on graft and on no-spec."""
+    prompts = load_prompts()
+    prompts = [prompts[3], prompts[90]]
+    return {"graft": _feature_replies(servers.graft.url, prompts),
+            "nospec": _feature_replies(servers.nospec.url, prompts)}
 
 
 @pytest.mark.parametrize("name", sorted(FEATURES))
-def test_request_feature_equals_no_spec(servers, name):
-    prompts = load_prompts()
-    for prompt in (prompts[3], prompts[90]):
-        _compare(servers.graft.url, servers.nospec.url, prompt, FEATURES[name])
+def test_request_feature_equals_no_spec(feature_replies, name):
+    for i in range(2):
+        a, b = feature_replies["graft"][(name, i)], feature_replies["nospec"][(name, i)]
+        if isinstance(a, list) or isinstance(b, list):     # n > 1 answers a list
+            assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b], (name, i)
+        else:
+            assert a["output_ids"] == b["output_ids"], (name, i, a["output_ids"], b["output_ids"])
 
 
 def test_logprobs_equal_no_spec_within_tolerance(servers):
