@@ -41,6 +41,11 @@ __all__ = ["CPU_SERVER_ARGS", "SGLangServer", "ServerStartError", "free_port", "
 REQUEST_TIMEOUT_S = 600.0
 
 
+def _log_path(name: str) -> str:
+    """The default server log: ``$TMPDIR/sglang_<name>_<time>.log``."""
+    return str(Path(tempfile.gettempdir()) / f"sglang_{name}_{int(time.time())}.log")
+
+
 @contextlib.contextmanager
 def serve(model_path: str | os.PathLike, args: Sequence[str] = (), *, name: str = "server",
           env: Optional[Mapping[str, str]] = None, log_path: Optional[str] = None,
@@ -60,7 +65,7 @@ def serve(model_path: str | os.PathLike, args: Sequence[str] = (), *, name: str 
         ServerStartError: the server died or never became healthy (log tail included).
     """
     if log_path is None:
-        log_path = str(Path(tempfile.gettempdir()) / f"sglang_{name}_{int(time.time())}.log")
+        log_path = _log_path(name)
     srv = SGLangServer(model_path=str(model_path), args=list(args), env=dict(env or {}),
                        log_path=log_path, startup_timeout_s=startup_timeout_s)
     try:
@@ -81,9 +86,7 @@ def serve_all(specs: Sequence[tuple], startup_timeout_s: float = 600.0) -> Itera
     Raises:
         ServerStartError: a server did not start (every server is stopped first).
     """
-    stamp = int(time.time())
-    servers = [SGLangServer(model_path=str(model), args=list(args), env=dict(env or {}),
-                            log_path=str(Path(tempfile.gettempdir()) / f"sglang_{name}_{stamp}.log"),
+    servers = [SGLangServer(model_path=str(model), args=list(args), env=dict(env or {}), log_path=_log_path(name),
                             startup_timeout_s=startup_timeout_s) for model, args, name, env in specs]
     try:
         start_all(servers)

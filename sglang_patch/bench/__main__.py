@@ -142,7 +142,7 @@ def main(argv: List[str] | None = None) -> int:
         after = _graft_state(srv.url)
         row = {"method": spec.method, "label": spec.label, "num_draft_tokens": spec.num_draft_tokens,
                "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed,
-               "startup_s": server.startup, "flushed": flushed, **summarize(result, spec.num_draft_tokens or 1)}
+               "startup_s": srv.startup_s, "flushed": flushed, **summarize(result, spec.num_draft_tokens or 1)}
         if before is not None and after is not None:
             row["calibration"] = calibration_delta(before, after)
             row["draft_forwards"] = {k: after["draft_forwards"][k] - before["draft_forwards"][k]
@@ -172,14 +172,14 @@ def main(argv: List[str] | None = None) -> int:
         bar.set_postfix_str(f"{spec.label}: starting server")
         srv = server_of(spec, stack).start()
         _warm_up(srv.url, warmup, sets, a)
-        return _Server(spec, srv, srv.startup_s)
+        return _Server(spec, srv)
 
     servers: List[_Server] = []
     if a.interleave:
         with contextlib.ExitStack() as stack:
             bar.set_postfix_str(f"starting {len(methods)} servers")
             everyone = start_all([server_of(spec, stack) for spec in methods])   # at once: starts overlap
-            servers = [_Server(spec, srv, srv.startup_s) for spec, srv in zip(methods, everyone)]
+            servers = [_Server(spec, srv) for spec, srv in zip(methods, everyone)]
             for server in servers:
                 with alone(server.srv, everyone):
                     _warm_up(server.srv.url, warmup, sets, a)
@@ -220,12 +220,12 @@ def main(argv: List[str] | None = None) -> int:
 
 @dataclass
 class _Server:
-    """One method's running server in a benchmark: its spec, its `SGLangServer`, seconds it took to
-    start, the prompt sets it was sent (`_flush`) and its greedy rows waiting for the no-spec check."""
+    """One method's running server in a benchmark: its spec, its `SGLangServer` (``startup_s``: the
+    seconds it took to start), the prompt sets it was sent (`_flush`) and its greedy rows waiting for
+    the no-spec check."""
 
     spec: MethodSpec
     srv: Any
-    startup: float
     sent: set = field(default_factory=set)
     greedy: List[tuple] = field(default_factory=list)
 
