@@ -57,7 +57,7 @@ from .stats import GraftStats, prometheus_enabled
 from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, SOURCE_LETTERS, SOURCE_NAMES,
                       SOURCE_PADDING)
 from .tree import (DraftTree,
-                   ancestor_mask, eagle_step, node_depths, parents_from_mask, path_min, pointer_jumps,
+                   ancestor_mask, eagle_step, node_depths, node_paths, parents_from_mask, path_min, pointer_jumps,
                    sibling_links, chain_links)
 from .verify import greedy_verify, sample_verify
 
@@ -79,8 +79,8 @@ __all__ = [
     "SOURCE_DRAFT", "SOURCE_PADDING", "NUM_SOURCES", "NUM_MEMBERS", "SOURCE_NAMES", "SOURCE_LETTERS",
     "GRAFTED_SOURCES",
     # reference tree / verify functions (an engine's CPU execution layer) and chain verification
-    "ancestor_mask", "node_depths", "sibling_links", "chain_links", "parents_from_mask", "eagle_step", "greedy_verify",
-    "sample_verify", "tree_sample", "spine_tree", "Chain", "ChainPricer",
+    "ancestor_mask", "node_depths", "node_paths", "sibling_links", "chain_links", "parents_from_mask", "eagle_step",
+    "greedy_verify", "sample_verify", "tree_sample", "spine_tree", "Chain", "ChainPricer",
     # serving statistics (host accumulators, graft:* Prometheus series)
     "GraftStats", "prometheus_enabled",
     # the fused kernels' switches (graft_spec/kernels): op counting, and an adapter's own fused ops

@@ -113,7 +113,7 @@ def greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_ids: torch
 
 def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor, *,
                   generator: Optional[torch.Generator] = None,
-                  source: Optional[torch.Tensor] = None) -> VerifyResult:
+                  source: Optional[torch.Tensor] = None, coins: Optional[torch.Tensor] = None) -> VerifyResult:
     """Target-only tree rejection sampling (see module docstring) of parents-array trees, by
     ``graft::tree_sample`` (kernels/tree_sample.py: the fused kernel on a CUDA device, its torch
     reference elsewhere) with coins drawn from ``generator``.
@@ -126,6 +126,8 @@ def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: tor
             renormalised here.
         generator: RNG for the coins (one uniform per node and one for the bonus).
         source: optional node sources.
+        coins: optional ``float[B, N + 1]`` uniforms in [0, 1) to use instead of drawing them
+            (an engine's per-request seeded generators); column N decides the bonus.
     Returns:
         `VerifyResult`. No host read.
     """
@@ -133,7 +135,9 @@ def sample_verify(tokens: torch.Tensor, parents: torch.Tensor, target_probs: tor
     dev = tokens.device
     probs = target_probs.float()
     probs = (probs / probs.sum(dim=-1, keepdim=True)).contiguous()
-    coins = torch.rand(b, n + 1, generator=generator, device=dev).clamp_(max=1.0 - 2.0 ** -24)
+    if coins is None:
+        coins = torch.rand(b, n + 1, generator=generator, device=dev)
+    coins = coins.to(torch.float32).clamp(max=1.0 - 2.0 ** -24)
     first_child, next_sibling = sibling_links(parents)
     predicts = torch.zeros(b * n, dtype=torch.int32, device=dev)
     accept = torch.full((b, n), -1, dtype=torch.int32, device=dev)

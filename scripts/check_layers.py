@@ -54,6 +54,10 @@ LAZY: Dict[Tuple[str, str], str] = {
         "the CPU stand-in for an sgl_kernel module, imported only when sgl_kernel is absent",
     ("vllm_worker.plugin", "vllm_worker.proposer"):
         "vLLM's plugin entry: only a model runner with method graft imports the proposer's GPU stack",
+    ("vllm_worker.plugin", "vllm_worker.tree_attention"):
+        "vLLM's plugin entry: only a graft runner that verifies trees imports vLLM's CPU attention backend",
+    ("vllm_worker.plugin", "vllm_worker.tree_runner"):
+        "vLLM's plugin entry: only a graft runner that verifies trees imports vLLM's sampler stack",
 }
 
 #: (module, function): replacements of an engine function, which keep its parameters.

@@ -76,17 +76,33 @@ def test_graft_engine_config_on_cpu_platform(graft_engine_config, quick_models):
     assert _PLATFORM.is_cpu(), "VLLM_TARGET_DEVICE=cpu must select CpuPlatform"
     spec = cfg.speculative_config
     assert spec.method == "eagle3" and is_graft(spec)              # aliased, marked
-    assert spec.use_eagle() and spec.num_speculative_tokens == 3
+    g = graft_config_of(spec)
+    # the CPU platform verifies trees: N - 1 nodes scheduled after the root, drafted K = 3 levels deep
+    assert spec.use_eagle() and spec.num_speculative_tokens == g.num_draft_tokens - 1
     assert spec.draft_model_config.hf_config.architectures == ["LlamaForCausalLMEagle3"]
     assert type(spec.draft_model_config.hf_config).__name__ == "EAGLEConfig"  # vLLM's rewrap
     assert str(quick_models.draft) in spec.model
-    assert graft_config_of(spec).depth == 3                         # GraftConfig depth = K
+    assert g.depth == 3                                             # GraftConfig depth = K
     assert spec.disable_padded_drafter_batch is True
     assert cfg.scheduler_config.async_scheduling is False
     assert cfg.use_v2_model_runner is False
     assert any("graft" in f for f in cfg._get_v2_model_runner_unsupported_features())
     back = pickle.loads(pickle.dumps(cfg)).speculative_config       # engine core gets a pickle
     assert is_graft(back) and graft_config_of(back) == graft_config_of(spec)
+
+
+def test_chain_verification_schedules_k_tokens(quick_models, monkeypatch):
+    monkeypatch.setenv("GRAFT_VLLM_VERIFY", "chain")
+    spec = _spec_config(quick_models)
+    assert spec.num_speculative_tokens == 3 and graft_config_of(spec).depth == 3
+    again = _spec_config(quick_models, method=spec.method, graft_config=spec.graft_config)
+    assert again.num_speculative_tokens == 3
+
+
+def test_unknown_verify_mode_is_refused(quick_models, monkeypatch):
+    monkeypatch.setenv("GRAFT_VLLM_VERIFY", "dag")
+    with pytest.raises(ValueError, match="GRAFT_VLLM_VERIFY='dag'"):
+        _spec_config(quick_models)
 
 
 def test_plain_eagle3_is_untouched(quick_models):
@@ -127,7 +143,7 @@ def test_k_defaults_to_graft_depth(quick_models, tmp_path):
     path = tmp_path / "g.json"
     path.write_text(json.dumps({"depth": 5, "num_draft_tokens": 30}))
     spec = _spec_config(quick_models, omit=("num_speculative_tokens",), graft_config=str(path))
-    assert spec.num_speculative_tokens == 5 and graft_config_of(spec).depth == 5
+    assert spec.num_speculative_tokens == 29 and graft_config_of(spec).depth == 5   # trees: N - 1, K levels
 
 
 @pytest.mark.parametrize("content, field", [

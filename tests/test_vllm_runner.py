@@ -113,7 +113,7 @@ print("PROBE " + json.dumps(out))
 def probe(quick_models, tmp_path_factory):
     cfg = tmp_path_factory.mktemp("graft") / "graft.json"
     cfg.write_text(json.dumps({"num_draft_tokens": 16, "topk": 3}))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", GRAFT_VLLM_VERIFY="chain")   # trees: tests/test_vllm_engine.py
     p = subprocess.run([sys.executable, "-c", _PROBE, str(quick_models.target), str(quick_models.draft), str(cfg)],
                        capture_output=True, text=True, timeout=600, env=env)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PROBE ")), None)

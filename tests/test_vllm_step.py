@@ -373,3 +373,75 @@ def test_per_source_acceptance_is_logged(caplog):
     lines = [r.getMessage() for r in caplog.records if "acceptance by source" in r.getMessage()]
     assert lines and "draft" in lines[0]
     assert step.log_sources()["members"]["draft"]["trials"] > 0
+
+
+def _decode_trees(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, prompts: dict[str, list[int]],
+                  k: int, new_tokens: int, chain_rows=None):
+    """`_decode` for tree mode: the proposed nodes verified as trees (`tree_verify.verify_trees`, vLLM's
+    layout: every node's logits are the bigram target's row of its token)."""
+    from vllm_worker.tree_verify import StepTrees, verify_trees
+
+    batch = _Batch()
+    outs = {r: [] for r in prompts}
+    accepted, shapes = [], []
+    active = list(prompts)
+    while active:
+        active = [r for r in active if len(outs[r]) < new_tokens]
+        if not active:
+            break
+        batch.set({r: (prompts[r], outs[r]) for r in active})
+        step.begin()
+        cur = torch.tensor([s[-1] for s in batch.seqs])
+        for _ in range(k):
+            cur = step.record(drafter[cur])
+        b = len(active)
+        roots = torch.tensor([s[-1] for s in batch.seqs])
+        drafts = step.finish(roots, batch.req_ids, batch.token_ids_cpu[:b], batch.num_prompt_tokens[:b],
+                             batch.num_tokens_no_spec[:b], k, chain_rows=chain_rows)
+        parents = [step.tree_parents(r) for r in active]
+        shapes.append([(len(d), p) for d, p in zip(drafts, parents)])
+        w = max(len(d) for d in drafts) + 1
+        par = torch.full((b, w), -1, dtype=torch.int64)
+        for i, p in enumerate(parents):
+            par[i, : len(p)] = torch.tensor(p)
+        toks = [[int(roots[i])] + d for i, d in enumerate(drafts)]
+        logits = torch.cat([target[torch.tensor(t)] for t in toks])
+        v = verify_trees(logits, torch.tensor(sum(drafts, [])), StepTrees(par, torch.tensor([len(t) for t in toks])),
+                         temperature=None, all_greedy=True)
+        for i, r in enumerate(active):
+            emitted = [x for x in v.output_token_ids[i].tolist() if x >= 0]
+            accepted.append(len(emitted))
+            outs[r].extend(emitted)
+    return outs, accepted, shapes
+
+
+def test_tree_mode_proposes_parents_first_trees_spine_first_and_stays_lossless():
+    """Tree mode: N - 1 nodes per request whose parents come first and whose first nodes are a chain
+    (the spine a chain verifier takes); verified as trees, greedy output equals plain decoding and
+    more is accepted per step than with the best chain; a row asked for a chain gets its spine."""
+    vocab, k = 128, 4
+    cycle = [9, 33, 71, 2, 55, 18, 90]
+    target = _cycle_target(vocab, cycle, 5)
+    drafter = _bigram(vocab, 7) * 0.3 + target
+    prompts = {"a": cycle * 2 + cycle[:3], "b": [3, 4, 5, 6]}
+    cfg = GraftConfig(num_draft_tokens=16, topk=3, depth=k)
+    outs, accepted, shapes = _decode_trees(ChainStep(cfg, vocab, trees=True), target, drafter, prompts, k, 30)
+    for r, p in prompts.items():
+        assert outs[r][:30] == _greedy_reference(target, p, 30)
+    trees = 0
+    for step_shapes in shapes:
+        for n, parents in step_shapes:
+            assert n == 15 and len(parents) == 16 and parents[0] == -1
+            assert all(0 <= parents[j] < j for j in range(1, 16))
+            assert parents[1] == 0                                   # the spine starts at the root
+            trees += any(parents[j] != j - 1 for j in range(1, 16))
+    assert trees > 0
+    _, chain_acc, _ = _decode(ChainStep(cfg, vocab), target, drafter, prompts, k, new_tokens=30)
+    assert np.mean(accepted) > np.mean(chain_acc), (np.mean(accepted), np.mean(chain_acc))
+    # a row that must verify as a chain is proposed its spine, with chain parents
+    outs_c, _, shapes_c = _decode_trees(ChainStep(cfg, vocab, trees=True), target, drafter, prompts, k, 12,
+                                        chain_rows={0})
+    assert outs_c["a"][:12] == _greedy_reference(target, prompts["a"], 12)
+    for step_shapes in shapes_c:
+        n, parents = step_shapes[0]
+        assert parents == list(range(-1, n)) and 1 <= n <= 15

@@ -1,5 +1,8 @@
 """vLLM benchmark and lossless check: no speculation, EAGLE-3, ngram and Graft at the same K.
 
+Graft runs twice: ``graft`` verifies its N-node tree drafted K levels deep (vllm_worker/tree_runner.py;
+vLLM's CPU backend), ``graft-chain`` its best chain of at most K tokens (``GRAFT_VLLM_VERIFY=chain``).
+
 Runs vLLM's offline engine (``vllm.LLM``) once per method (one child process each) and, for every prompt
 set x mode (greedy / sampled) x batch size, generates the prompts and reads vLLM's own
 spec-decode counters (``LLM.get_metrics``: ``vllm:spec_decode_num_drafts``,
@@ -78,8 +81,9 @@ def speculative_config(method: str, draft: str, k: int, graft_config: Optional[s
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ngram[0],
                 "prompt_lookup_max": ngram[1]}
-    spec: dict[str, Any] = {"method": method, "model": draft, "num_speculative_tokens": k}
-    if method == "graft" and graft_config:
+    graft = method in ("graft", "graft-chain")   # graft-chain: GRAFT_VLLM_VERIFY=chain in its process
+    spec: dict[str, Any] = {"method": "graft" if graft else method, "model": draft, "num_speculative_tokens": k}
+    if graft and graft_config:
         spec["graft_config"] = graft_config
     return spec
 
@@ -232,8 +236,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--target", default="models/default/target")
     p.add_argument("--draft", default="models/default/draft", help="EAGLE-3 head (eagle3, graft)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens for every method")
-    p.add_argument("--methods", nargs="+", default=["none", "eagle3", "ngram", "graft"],
-                   choices=["none", "eagle3", "ngram", "graft"])
+    p.add_argument("--methods", nargs="+", default=["none", "eagle3", "ngram", "graft", "graft-chain"],
+                   choices=["none", "eagle3", "ngram", "graft", "graft-chain"],
+                   help="graft verifies its tree (on vLLM's CPU backend), graft-chain its best chain")
     p.add_argument("--sets", nargs="+", default=["code=data/humaneval_dev.jsonl", "chat=data/mtbench_dev.jsonl"],
                    help="NAME=FILE[+FILE...] JSONL prompt sets")
     p.add_argument("--prompts", type=int, default=8, help="first N prompts of each file")
@@ -256,6 +261,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.setdefault(k, v)
     sets = [load_prompt_set(s, args.prompts) for s in args.sets]
     if args.one_method:
+        if args.one_method == "graft-chain":
+            os.environ["GRAFT_VLLM_VERIFY"] = "chain"
         Path(args.json).write_text(json.dumps(run_method(args.one_method, args, sets)))
         return 0
     rows: list[dict] = []

@@ -50,7 +50,8 @@ from typing import Any, Literal, Optional, get_args
 
 from graft_spec.config import GraftConfig, load_config
 
-__all__ = ["GRAFT_METHOD", "patch_speculative_config", "graft_config_of", "is_graft", "translate_aux_layer_ids"]
+__all__ = ["GRAFT_METHOD", "patch_speculative_config", "graft_config_of", "is_graft", "translate_aux_layer_ids",
+           "tree_verify_enabled"]
 
 GRAFT_METHOD = "graft"
 _PATCHED_FLAG = "_graft_spec_patched"
@@ -114,6 +115,26 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
         msg = str(e)
         raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
     return cfg
+
+
+def tree_verify_enabled() -> bool:
+    """Whether graft's trees are verified as trees: ``GRAFT_VLLM_VERIFY=tree`` (the default on the
+    CPU platform, where the tree attention is implemented, vllm_worker/tree_attention.py) or ``chain``
+    (one chain per request, the default elsewhere).
+
+    Raises:
+        ValueError: another value, or ``tree`` off the CPU platform.
+    """
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
+    mode = os.environ.get("GRAFT_VLLM_VERIFY", "tree" if cpu else "chain")
+    if mode not in ("tree", "chain"):
+        raise ValueError(f"GRAFT_VLLM_VERIFY={mode!r}: expected 'tree' or 'chain'")
+    if mode == "tree" and not cpu:
+        raise ValueError("GRAFT_VLLM_VERIFY=tree: tree attention exists for vLLM's CPU backend only; "
+                         "use 'chain' on this platform")
+    return mode == "tree"
 
 
 def _is_inline(value: Optional[str]) -> bool:
@@ -197,10 +218,14 @@ def _wrap_post_init(cls: type) -> None:
             original(self)
             translate_aux_layer_ids(self)
             return
-        gcfg = load_graft_settings(self.graft_config, self.num_speculative_tokens)
+        trees = tree_verify_enabled()
+        if replayed and trees:   # rebuilt from a resolved tree config: K lives in the graft config
+            gcfg = GraftConfig.model_validate_json(self.graft_config)
+        else:
+            gcfg = load_graft_settings(self.graft_config, self.num_speculative_tokens)
         _check_vllm_settings(self)
-        if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = gcfg.depth
+        # chains: K tokens after the root; trees: N - 1 nodes after the root, drafted K levels deep
+        self.num_speculative_tokens = gcfg.num_draft_tokens - 1 if trees else gcfg.depth
         if not self.disable_padded_drafter_batch:
             logger.info("graft: setting disable_padded_drafter_batch=True so the proposer runs after "
                         "bookkeeping and sees this step's accepted tokens (async scheduling goes off)")
@@ -211,10 +236,16 @@ def _wrap_post_init(cls: type) -> None:
             raise ValueError(f"method='graft' needs an EAGLE-3 draft head; vLLM resolved {self.method!r}")
         translate_aux_layer_ids(self)
         self.graft_config = gcfg.model_dump_json()  # the mark read by is_graft / graft_config_of
-        logger.info("graft: speculative method 'graft' = EAGLE-3 draft tree + prune + graft, one chain "
-                    "of <= %d tokens per request (N=%d, topk=%d); using the V1 model runner because "
-                    "GraftProposer extends the V1 EagleProposer and vLLM 0.33 verifies chains only",
-                    self.num_speculative_tokens, gcfg.num_draft_tokens, gcfg.topk)
+        if trees:
+            logger.info("graft: speculative method 'graft' = EAGLE-3 draft tree (%d levels, topk=%d) + prune + "
+                        "graft, one tree of N=%d nodes per request verified as a tree "
+                        "(num_speculative_tokens=%d); V1 model runner", gcfg.depth, gcfg.topk,
+                        gcfg.num_draft_tokens, self.num_speculative_tokens)
+        else:
+            logger.info("graft: speculative method 'graft' = EAGLE-3 draft tree + prune + graft, one chain "
+                        "of <= %d tokens per request (N=%d, topk=%d); using the V1 model runner because "
+                        "GraftProposer extends the V1 EagleProposer and vLLM 0.33 verifies chains only",
+                        self.num_speculative_tokens, gcfg.num_draft_tokens, gcfg.topk)
 
     __post_init__.__qualname__ = f"{cls.__qualname__}.__post_init__"
     __post_init__.__wrapped__ = original  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from .config_patch import is_graft, patch_speculative_config
+from .config_patch import is_graft, patch_speculative_config, tree_verify_enabled
 
 __all__ = ["register"]
 
@@ -61,9 +61,18 @@ def _install_graft_drafter(runner) -> None:
         return
     if type(drafter) is not EagleProposer:
         raise RuntimeError(f"graft: expected the runner to build an EagleProposer, got {type(drafter).__name__}")
-    runner.drafter = GraftProposer(runner.vllm_config, runner.device, runner)
-    logger.info("graft: drafter is GraftProposer (EAGLE-3 tree -> prune -> graft -> best chain) "
-                "on the V1 model runner")
+    trees = tree_verify_enabled()
+    runner.drafter = GraftProposer(runner.vllm_config, runner.device, runner, trees=trees)
+    if trees:
+        from . import tree_attention, tree_runner
+
+        tree_attention.register()
+        tree_runner.install(runner, runner.drafter)
+        logger.info("graft: drafter is GraftProposer (EAGLE-3 tree -> prune -> graft), verified as trees "
+                    "on the V1 model runner")
+    else:
+        logger.info("graft: drafter is GraftProposer (EAGLE-3 tree -> prune -> graft -> best chain) "
+                    "on the V1 model runner")
 
 
 def register() -> None:

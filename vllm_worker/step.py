@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from graft_spec.config import GraftConfig
-from graft_spec.pipeline import (ChainPricer, DraftTree, GraftPlanner, GraftStats, StepOutput, spine_tree,
-                                 tree_draft_candidates)
+from graft_spec.pipeline import (ChainPricer, DraftTree, GraftPlanner, GraftStats, StepOutput, node_depths, node_paths,
+                                 on_path_from_tokens, spine_tree, tree_draft_candidates)
 
 from .chains import build_chains, observe_committed
 from .requests import RequestTracker
@@ -54,6 +54,34 @@ def prometheus_stats() -> Optional[GraftStats]:
     return _PROMETHEUS
 
 
+def spine_first(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order int64[B, N], spine int64[B])``: a parents-first node order that starts with the root
+    and the ``spine`` nodes of the path of best
+    expected accepted length (the sum of its nodes' estimated path acceptance, ``exp(logp)``), then
+    every other node in index order: what a chain verifier would take from the tree (vLLM verifies
+    the spine alone when a batch needs its chain sampler, tree_sampler.py)."""
+    b, n = tree.tokens.shape
+    paths = node_paths(tree.parents, n - 1)                                           # [B, N, N]
+    gain = torch.where(paths >= 0, tree.logp.exp().gather(1, paths.clamp(min=0).reshape(b, -1)).reshape(b, n, n), 0)
+    best = gain.sum(2).argmax(1)                                                       # [B]
+    spine = paths[torch.arange(b), best]                                               # [B, N] root .. best
+    on = torch.zeros(b, n + 1, dtype=torch.bool).scatter_(1, torch.where(spine >= 0, spine, n), True)[:, :n]
+    key = torch.where(on, node_depths(tree.parents) - n, torch.arange(n).expand(b, n))  # spine by depth first
+    return key.argsort(dim=1, stable=True), on.sum(1) - 1
+
+
+def _accepted_path(tree: DraftTree, committed: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens int64[B, N - 1], sources int64[B, N - 1])`` of the tree's nodes on the committed
+    path, by depth (-1 / 0 padded), for `ChainStep._record`'s chain-shaped counting."""
+    on_path, _ = on_path_from_tokens(tree, committed, lens)
+    b, n = tree.tokens.shape
+    depth = node_depths(tree.parents)
+    dest = torch.where(on_path & (depth > 0), depth - 1, n - 1)
+    toks = torch.full((b, n), -1, dtype=torch.int64).scatter_(1, dest, tree.tokens)[:, : n - 1]
+    srcs = torch.zeros(b, n, dtype=torch.int64).scatter_(1, dest, tree.source)[:, : n - 1]
+    return toks, srcs
+
+
 class ChainStep:
     """Per-engine Graft state: planner, request tracker, and the current step's draft levels.
 
@@ -65,7 +93,8 @@ class ChainStep:
     #: steps between two `log_sources` lines (0: never)
     log_every = 500
 
-    def __init__(self, config: GraftConfig, vocab_size: int):
+    def __init__(self, config: GraftConfig, vocab_size: int, trees: bool = False):
+        self.trees = trees
         self.config = config
         self.planner = GraftPlanner(config, vocab_size, device="cpu")
         self.tracker = RequestTracker(self.planner)
@@ -75,6 +104,7 @@ class ChainStep:
         self.last_expected: Optional[torch.Tensor] = None  # float32[B] expected accepted length
         self._last: Optional[tuple[list, np.ndarray, StepOutput, torch.Tensor, torch.Tensor]] = None
         self._observed = 0
+        self.last_parents: dict = {}
         self.stats = GraftStats()   # this engine's rounds (host); `prometheus_stats` has the process's
 
     def begin(self) -> None:
@@ -109,7 +139,7 @@ class ChainStep:
         self._last = None
         row = {rid: i for i, rid in enumerate(req_ids)}
         # accepted + bonus <= the deepest tree node or chain token + 1 (a chain may run past the tree)
-        width = max(int(out.depth.max()) if out.depth.numel() else 0, chains.shape[1]) + 1
+        width = max(int(out.depth.max()) if out.depth.numel() else 0, chains.shape[1] if chains is not None else 0) + 1
         committed = torch.zeros(len(rids), width, dtype=torch.int64)
         lens = torch.zeros(len(rids), dtype=torch.int64)
         slots = torch.zeros(len(rids), dtype=torch.int64)
@@ -124,7 +154,10 @@ class ChainStep:
             committed[j, : len(new)] = torch.from_numpy(np.asarray(new, dtype=np.int64))
             lens[j] = len(new)
         stats = observe_committed(self.planner, out, committed, lens, slots)
-        self.pricer.observe(committed, lens)
+        if self.trees:   # the accepted nodes' tokens and sources, root-first, from the committed tokens
+            chains, sources = _accepted_path(out.tree, committed, lens)
+        else:
+            self.pricer.observe(committed, lens)
         self._record(chains, sources, committed, lens, stats)
         for j, rid in enumerate(rids):
             self.tracker.advance(rid, int(lens[j]))
@@ -160,8 +193,8 @@ class ChainStep:
 
     def finish(self, root_tokens: torch.Tensor, req_ids: Sequence[str], token_ids: np.ndarray,
                num_prompt_tokens: np.ndarray, num_tokens: np.ndarray, max_len: int,
-               alive: Optional[Collection[str]] = None, sampled: Optional[Sequence[bool]] = None
-               ) -> list[list[int]]:
+               alive: Optional[Collection[str]] = None, sampled: Optional[Sequence[bool]] = None,
+               chain_rows: Optional[Collection[int]] = None) -> list[list[int]]:
         """Observe last step, sync requests, build the hybrid tree, return one chain per request.
 
         Args:
@@ -172,8 +205,12 @@ class ChainStep:
             max_len: K, the longest chain vLLM verifies this step.
             alive: request ids the engine still holds (``runner.requests``; None = the batch).
             sampled: per row, True for a request verified by sampling (None = all greedy).
+            chain_rows: tree mode: rows that get their tree's spine, a chain (a request whose
+                sampling vLLM processes per chain position, `tree_sampler.request_chain_reason`).
         Returns:
-            B chains, ``list[int]`` of length <= K, deterministic given the context.
+            B chains, ``list[int]`` of length <= K, deterministic given the context; in tree mode
+            the tree's N - 1 nodes after the root in a parents-first order, spine first
+            (`tree_parents` has their parents).
         Raises:
             RuntimeError: fewer than ``max_len`` draft passes were recorded.
         """
@@ -194,12 +231,38 @@ class ChainStep:
         flags = torch.tensor([bool(x) for x in sampled[:b]] if sampled is not None else [False] * b,
                              dtype=torch.bool)
         # the tracker fed every committed token (root included) to the host sources: no lag
+        cap = self.config.num_draft_tokens - 1 if self.trees else max_len
         out = build_chains(self.planner, tree_draft_candidates(draft), draft.tokens[:, 0], host,
-                       torch.from_numpy(slots), torch.from_numpy(n_tok) - 1, flags, max_len)
-        tokens, length, expected, sources = self.pricer.choose(out.tree, logp, ids, flags, max_len)
-        self.last_tree, self.last_expected = out.tree, expected
-        self._last = (list(req_ids), n_tok.copy(), out, tokens, sources)
+                           torch.from_numpy(slots), torch.from_numpy(n_tok) - 1, flags, cap)
+        if self.trees:
+            self.last_tree, self.last_expected = out.tree, None
+            self._last = (list(req_ids), n_tok.copy(), out, None, None)
+        else:
+            tokens, length, expected, sources = self.pricer.choose(out.tree, logp, ids, flags, max_len)
+            self.last_tree, self.last_expected = out.tree, expected
+            self._last = (list(req_ids), n_tok.copy(), out, tokens, sources)
+        if self.trees:
+            order, spine = spine_first(out.tree)
+            toks = out.tree.tokens.gather(1, order)
+            rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+            pars = torch.where(out.tree.parents.gather(1, order) >= 0,
+                               rank.gather(1, out.tree.parents.gather(1, order).clamp(min=0)), -1)
+            drafts, self.last_parents = [], {}
+            for i, rid in enumerate(req_ids):
+                if chain_rows is not None and i in chain_rows:   # its spine, a chain
+                    m = int(spine[i])
+                    self.last_parents[rid] = list(range(-1, m))
+                    drafts.append(toks[i, 1:m + 1].tolist())
+                else:
+                    self.last_parents[rid] = pars[i].tolist()
+                    drafts.append(toks[i, 1:].tolist())
+            return drafts
         return [row[:n].tolist() for row, n in zip(tokens, length.tolist())]
+
+    def tree_parents(self, req_id: str) -> Optional[list]:
+        """The parents (node 0 the root, -1 there) of the tree last proposed for ``req_id``, in the
+        order of its proposed tokens; None when it was given no tree (tree mode off)."""
+        return self.last_parents.get(req_id)
 
     def _refill_stale(self, req_ids: Sequence[str], token_ids: np.ndarray, n_tok: np.ndarray,
                       slots: np.ndarray) -> None:

@@ -1,0 +1,123 @@
+"""The V1 runner's side of tree verification: positions by depth, the step's trees, KV compaction.
+
+vLLM's scheduler only counts tokens: a request whose drafts are a tree's nodes (parents first, node 0
+the root) gets ``1 + n`` query tokens at slots ``P .. P + n`` (P = its computed tokens), which is
+where the nodes' keys and values are written. `install` wraps two methods of one runner instance
+(gpu_model_runner.py, 0.32 line numbers):
+
+* ``_prepare_inputs`` (:1920): after vLLM's, a tree row's RoPE positions become ``P + depth(j)``
+  (slots and input ids stay by index; the drafter reads the same positions, :4964), and the step's
+  trees are handed to the attention (`tree_attention.set_step`) and the sampler
+  (`TreeSampler.set_trees`; chains among them are trees too);
+* ``_sample`` (:3437): the target forward is over, so the attention step is cleared (the drafter's
+  layers attend as vLLM does), the sampler verifies, and each accepted path's KV moves from the slots
+  of its tree indices to the chain's (`tree_attention.compact`) before anything reads it.
+
+The drafter's inputs follow the accepted path through `GraftProposer.prepare_inputs`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .tree_attention import TreeStep, compact, set_step
+from .tree_sampler import TreeSampler
+from .tree_verify import StepTrees
+
+__all__ = ["install", "plan_trees"]
+
+logger = logging.getLogger("vllm.graft")
+#: tree steps between two log lines of the runner's tree counters
+LOG_EVERY = 50
+
+
+def plan_trees(req_ids: list, scheduled: dict, parents_of) -> dict:
+    """``{row: parents list}`` of this step's tree rows (not chains).
+
+    Args:
+        req_ids: the input batch's request ids, by row.
+        scheduled: request id -> the draft tokens vLLM scheduled (``scheduled_spec_decode_tokens``).
+        parents_of: request id -> the parents of the tree last proposed for it (or None).
+    """
+    rows = {}
+    for i, rid in enumerate(req_ids):
+        n = len(scheduled.get(rid) or ())
+        parents = parents_of(rid) if n else None
+        if parents is None or len(parents) < n + 1:
+            continue
+        p = list(parents[: n + 1])
+        if any(p[j] != j - 1 for j in range(1, n + 1)):
+            rows[i] = p
+    return rows
+
+
+def _depths(parents: list) -> list:
+    d = [0] * len(parents)
+    for j in range(1, len(parents)):
+        d[j] = d[parents[j]] + 1
+    return d
+
+
+def install(runner, proposer) -> None:
+    """Tree verification on one V1 runner (module docstring): its ``rejection_sampler`` becomes a
+    `TreeSampler`, ``_prepare_inputs`` and ``_sample`` are wrapped on the instance."""
+    old = runner.rejection_sampler
+    sampler = TreeSampler(old.sampler, runner.speculative_config, runner.device)
+    runner.rejection_sampler = sampler
+    prepare, sample = runner._prepare_inputs, runner._sample
+    state: dict = {"step": None}
+    counts = runner.graft_tree_counts = {"tree_steps": 0, "spine_steps": 0, "tree_rows": 0, "moved": 0}
+
+    def _prepare_inputs(scheduler_output, num_scheduled_tokens):
+        out = prepare(scheduler_output, num_scheduled_tokens)
+        batch = runner.input_batch
+        rows = plan_trees(batch.req_ids[: batch.num_reqs], scheduler_output.scheduled_spec_decode_tokens,
+                          proposer.graft.tree_parents)
+        state["step"] = None
+        if not rows:
+            set_step(None)
+            sampler.set_trees(None)
+            return out
+        qsl = runner.query_start_loc.np
+        for i, p in rows.items():
+            depth = torch.tensor(_depths(p), dtype=runner.positions.dtype, device=runner.positions.device)
+            start = int(qsl[i])
+            base = int(batch.num_computed_tokens_cpu[i])
+            runner.positions[start:start + len(p)] = base + depth
+        spec = out[1]
+        b = batch.num_reqs
+        width = max(spec.num_draft_tokens) + 1
+        parents = torch.arange(-1, width - 1, dtype=torch.int64).repeat(b, 1)   # chains elsewhere
+        for i, p in rows.items():
+            parents[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        sizes = torch.tensor([n + 1 for n in spec.num_draft_tokens], dtype=torch.int64)
+        step = TreeStep({i: torch.tensor(p, dtype=torch.int64) for i, p in rows.items()})
+        state["step"] = step
+        set_step(step)
+        sampler.set_trees(StepTrees(parents, sizes))
+        return out
+
+    def _sample(logits, spec_decode_metadata):
+        set_step(None)
+        result = sample(logits, spec_decode_metadata)
+        step: Optional[TreeStep] = state["step"]
+        state["step"] = None
+        verdict = sampler.last
+        proposer.tree_paths = None
+        if step is not None and verdict is not None:
+            counts["tree_steps"] += 1
+            counts["tree_rows"] += len(step.rows)
+            counts["moved"] += compact(step, verdict.accept_index)
+            proposer.tree_paths = verdict.accept_index
+        elif step is not None:
+            counts["spine_steps"] += 1
+        if sum(counts.values()) and (counts["tree_steps"] + counts["spine_steps"]) % LOG_EVERY == 0:
+            logger.info("graft: tree verification: %s", counts)
+        return result
+
+    runner._prepare_inputs = _prepare_inputs
+    runner._sample = _sample
+    logger.info("graft: the runner verifies graft trees (tree attention, tree sampler, KV compaction)")
