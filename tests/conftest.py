@@ -62,6 +62,15 @@ def pytest_sessionstart(session) -> None:
         ensure_models(_quick_root())
 
 
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Run tests/test_kernels.py last: its fixtures wait for the background kernel checks
+    (tests/kernel_checks.py, started at collection), which then overlap the whole suite instead of
+    holding it up where the file falls in alphabetical order."""
+    last = [item for item in items if Path(str(item.fspath)).name == "test_kernels.py"]
+    if last:
+        items[:] = [item for item in items if Path(str(item.fspath)).name != "test_kernels.py"] + last
+
+
 def pytest_collection_finish(session) -> None:
     """Start the kernel checks in the background when tests/test_kernels.py is selected
     (tests/kernel_checks.py): their single-core interpreter run overlaps the other tests."""

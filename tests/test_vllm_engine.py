@@ -55,6 +55,39 @@ def engine_run(tmp_path_factory):
     return res
 
 
+@pytest.fixture(scope="module")
+def oracle_run(engine_run, tmp_path_factory):
+    """tests/vllm_oracle.py on the dev prompts, greedy, batch 1 and 8: graft's trees replaced by trees
+    hiding the no-spec continuation among decoys."""
+    tmp = tmp_path_factory.mktemp("vllm_oracle")
+    ref = tmp / "reference.json"
+    ref.write_text(json.dumps({"rows": engine_run["rows"]}))
+    out = tmp / "oracle.json"
+    cmd = [str(PY), str(ROOT / "tests" / "vllm_oracle.py"), str(ref), "--sets",
+           "dev=data/humaneval_dev.jsonl+data/mtbench_dev.jsonl", "--prompts", "4", "--max-tokens", "32",
+           "--batches", "1", "8", "--modes", "greedy", "--k", "4", "--json", str(out)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0 and out.exists(), f"oracle run failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
+    return json.loads(out.read_text()), json.loads((tmp / "ORACLE.json").read_text())
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_oracle_trees_hidden_among_decoys_are_accepted_whole_and_lossless(engine_run, oracle_run, batch):
+    """The continuation sits at tree indices 2, 5, 8, ... beside a wrong sibling before it, the same token
+    under a decoy, and a deep decoy chain: wrong RoPE positions, a causal instead of a tree mask, or a
+    missing KV compaction reject it or change the output."""
+    rows, offered = oracle_run
+    (r,) = [x for x in rows if x["batch"] == batch]
+    (ref,) = _rows(engine_run, method="none", mode="greedy", batch=batch)
+    assert r["tokens"] == ref["tokens"]
+    total = sum(x["accepted"] for x in rows)
+    # every offered path accepted whole; a request's last proposal is never verified (<= 7 each)
+    assert sum(offered) - 7 * 2 * len(ref["tokens"]) <= total <= sum(offered), (total, sum(offered))
+    assert r["mean_accepted_length"] > 5.0, r["mean_accepted_length"]
+
+
 def _rows(res, **kw):
     return [r for r in res["rows"] if all(r[k] == v for k, v in kw.items())]
 

@@ -196,6 +196,7 @@ def run_method(method: str, args: argparse.Namespace, sets: list[tuple[str, list
                 tokens = [list(o.outputs[0].token_ids) for o in outs]
                 n = sum(len(t) for t in tokens)
                 rows.append({"method": method, "set": name, "mode": mode, "batch": batch, "tokens": tokens,
+                             "prompt_token_ids": [list(o.prompt_token_ids) for o in outs],
                              "generated": n, "seconds": secs, "tokens_per_s": n / secs if secs else 0.0,
                              "tokens_per_step": n / max(1, n - spec["accepted"]),
                              **spec, "mean_accepted_length": (1 + spec["accepted"] / spec["drafts"])
