@@ -398,7 +398,9 @@ def _decode_trees(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, 
         roots = torch.tensor([s[-1] for s in batch.seqs])
         drafts = step.finish(roots, batch.req_ids, batch.token_ids_cpu[:b], batch.num_prompt_tokens[:b],
                              batch.num_tokens_no_spec[:b], k, chain_rows=chain_rows)
-        parents = [step.tree_parents(r) for r in active]
+        proposed = [step.proposed_tree(r) for r in active]
+        assert all(t == d for (t, _), d in zip(proposed, drafts))
+        parents = [p for _, p in proposed]
         shapes.append([(len(d), p) for d, p in zip(drafts, parents)])
         w = max(len(d) for d in drafts) + 1
         par = torch.full((b, w), -1, dtype=torch.int64)

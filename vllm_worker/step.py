@@ -210,7 +210,7 @@ class ChainStep:
         Returns:
             B chains, ``list[int]`` of length <= K, deterministic given the context; in tree mode
             the tree's N - 1 nodes after the root in a parents-first order, spine first
-            (`tree_parents` has their parents).
+            (`proposed_tree` has their parents).
         Raises:
             RuntimeError: fewer than ``max_len`` draft passes were recorded.
         """
@@ -251,17 +251,18 @@ class ChainStep:
             for i, rid in enumerate(req_ids):
                 if chain_rows is not None and i in chain_rows:   # its spine, a chain
                     m = int(spine[i])
-                    self.last_parents[rid] = list(range(-1, m))
                     drafts.append(toks[i, 1:m + 1].tolist())
+                    self.last_parents[rid] = (drafts[-1], list(range(-1, m)))
                 else:
-                    self.last_parents[rid] = pars[i].tolist()
                     drafts.append(toks[i, 1:].tolist())
+                    self.last_parents[rid] = (drafts[-1], pars[i].tolist())
             return drafts
         return [row[:n].tolist() for row, n in zip(tokens, length.tolist())]
 
-    def tree_parents(self, req_id: str) -> Optional[list]:
-        """The parents (node 0 the root, -1 there) of the tree last proposed for ``req_id``, in the
-        order of its proposed tokens; None when it was given no tree (tree mode off)."""
+    def proposed_tree(self, req_id: str) -> Optional[tuple[list, list]]:
+        """``(tokens, parents)`` of the tree last proposed for ``req_id``: its draft tokens after the
+        root and every node's parent (node 0 the root, -1 there); None when the last step proposed it
+        none (tree mode off, or the request was not in that step's batch)."""
         return self.last_parents.get(req_id)
 
     def _refill_stale(self, req_ids: Sequence[str], token_ids: np.ndarray, n_tok: np.ndarray,

@@ -34,21 +34,25 @@ logger = logging.getLogger("vllm.graft")
 LOG_EVERY = 50
 
 
-def plan_trees(req_ids: list, scheduled: dict, parents_of) -> dict:
+def plan_trees(req_ids: list, scheduled: dict, proposed) -> dict:
     """``{row: parents list}`` of this step's tree rows (not chains).
 
     Args:
         req_ids: the input batch's request ids, by row.
         scheduled: request id -> the draft tokens vLLM scheduled (``scheduled_spec_decode_tokens``).
-        parents_of: request id -> the parents of the tree last proposed for it (or None).
+        proposed: request id -> ``(tokens, parents)`` of the tree last proposed for it, or None.
+    A row whose scheduled tokens are not a prefix of its last proposal is verified as a chain: the
+    attention, the positions and the sampler all follow this plan, so a chain of tree tokens is
+    still verified exactly (only less of it is accepted).
     """
     rows = {}
     for i, rid in enumerate(req_ids):
-        n = len(scheduled.get(rid) or ())
-        parents = parents_of(rid) if n else None
-        if parents is None or len(parents) < n + 1:
+        drafts = list(scheduled.get(rid) or ())
+        n = len(drafts)
+        tree = proposed(rid) if n else None
+        if tree is None or len(tree[1]) < n + 1 or list(tree[0][:n]) != drafts:
             continue
-        p = list(parents[: n + 1])
+        p = list(tree[1][: n + 1])
         if any(p[j] != j - 1 for j in range(1, n + 1)):
             rows[i] = p
     return rows
@@ -75,7 +79,7 @@ def install(runner, proposer) -> None:
         out = prepare(scheduler_output, num_scheduled_tokens)
         batch = runner.input_batch
         rows = plan_trees(batch.req_ids[: batch.num_reqs], scheduler_output.scheduled_spec_decode_tokens,
-                          proposer.graft.tree_parents)
+                          proposer.graft.proposed_tree)
         state["step"] = None
         if not rows:
             set_step(None)
