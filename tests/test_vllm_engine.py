@@ -10,7 +10,8 @@ outputs of graft (trees), graft-chain, EAGLE-3 and ngram equal no speculation to
 batch 1 and 8; graft ran tree steps and moved accepted KV; the sampled runs complete; the shipped
 head's aux-layer ids are read as SGLang reads them (issue 45 (a)); graft's per-source
 ``graft:accepted_tokens_total`` in the Prometheus registry agrees with vLLM's own accepted-token
-counter.
+counter. Beside it: oracle trees (tests/vllm_oracle.py) and chunked prefill, preemption and the
+prefix cache (tests/vllm_engine_cases.py).
 
 ``GRAFT_VLLM_ENGINE_PYTHON`` points at another interpreter holding a vLLM that runs models.
 """
@@ -86,6 +87,62 @@ def test_oracle_trees_hidden_among_decoys_are_accepted_whole_and_lossless(engine
     # every offered path accepted whole; a request's last proposal is never verified (<= 7 each)
     assert sum(offered) - 7 * 2 * len(ref["tokens"]) <= total <= sum(offered), (total, sum(offered))
     assert r["mean_accepted_length"] > 5.0, r["mean_accepted_length"]
+
+
+@pytest.fixture(scope="module")
+def engine_cases(tmp_path_factory):
+    """tests/vllm_engine_cases.py for no speculation (prefix cache off) and graft (on): 64-token prefill
+    chunks, a KV cache too small for 8 requests at once, a prompt repeated with its own output."""
+    why = _engine_ok()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("vllm_cases")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    res = {}
+    for method in ("none", "graft"):
+        out = tmp / f"{method}.json"
+        p = subprocess.run([str(PY), str(ROOT / "tests" / "vllm_engine_cases.py"), method, str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900, env=env)
+        assert p.returncode == 0 and out.exists(), f"{method} case run failed (rc {p.returncode}):\n{p.stderr[-6000:]}"
+        res[method] = json.loads(out.read_text())
+        res[method]["log"] = p.stdout + p.stderr
+    return res
+
+
+def test_chunked_prefill_and_preemption_with_trees_equal_no_speculation(engine_cases):
+    ref, graft = engine_cases["none"], engine_cases["graft"]
+    assert graft["batch"] == ref["batch"] and graft["single"] == ref["single"]
+    assert graft["preemptions"] > 0, "the small KV cache did not preempt: the case tests nothing"
+    assert "graft: tree verification: " in graft["log"]
+
+
+def test_prefix_cache_hit_on_tree_verified_kv_matches_a_cache_off_run(engine_cases):
+    """The repeated prompt + output reads the blocks graft's tree steps wrote (after compaction) from the
+    prefix cache; its output equals the cache-off no-spec run's."""
+    ref, graft = engine_cases["none"], engine_cases["graft"]
+    assert graft["prefix_hits"] > 0 and ref["prefix_hits"] == 0
+    assert graft["repeat"] == ref["repeat"]
+
+
+@pytest.mark.parametrize("position", [1, 2])
+def test_sampled_tokens_from_tree_steps_follow_the_no_speculation_distribution(engine_cases, position):
+    """Two-sample chi-square (alpha 0.001) of the token at ``position`` (emitted by a verification step:
+    with graft, a tree's accepted path or its bonus) over 300 draws, graft against no speculation;
+    categories with fewer than 10 draws in both are pooled."""
+    from scipy.stats import chi2_contingency
+
+    a = [t[position] for t in engine_cases["none"]["sampled"] if len(t) > position]
+    b = [t[position] for t in engine_cases["graft"]["sampled"] if len(t) > position]
+    assert len(a) > 250 and len(b) > 250
+    keys = sorted(set(a) | set(b))
+    big = [k for k in keys if a.count(k) + b.count(k) >= 10]
+    table = [[a.count(k) for k in big] + [sum(a.count(k) for k in keys if k not in big)],
+             [b.count(k) for k in big] + [sum(b.count(k) for k in keys if k not in big)]]
+    table = [row for row in zip(*table) if sum(row) > 0]
+    assert len(table) >= 3, table                      # the prompt's continuation is not near-deterministic
+    stat, p, dof, _ = chi2_contingency(list(zip(*table)))
+    assert p > 1e-3, (stat, p, dof, table)
 
 
 def _rows(res, **kw):

@@ -69,7 +69,7 @@ def main() -> int:
             prompt = tuple(int(x) for x in token_ids[i, :npt])
             cont = ref[prompt][nt - npt:] if prompt in ref else []
             toks, pars = oracle_tree(cont, self.config.num_draft_tokens)
-            self.last_parents[rid] = (toks[1:], pars)
+            self._proposed[rid] = (toks[1:], pars)
             offered.append(min(len(cont), DEPTH))
             out.append(toks[1:])
         return out

@@ -56,10 +56,10 @@ def prometheus_stats() -> Optional[GraftStats]:
 
 def spine_first(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order int64[B, N], spine int64[B])``: a parents-first node order that starts with the root
-    and the ``spine`` nodes of the path of best
-    expected accepted length (the sum of its nodes' estimated path acceptance, ``exp(logp)``), then
-    every other node in index order: what a chain verifier would take from the tree (vLLM verifies
-    the spine alone when a batch needs its chain sampler, tree_sampler.py)."""
+    and the ``spine`` nodes of the path of best expected accepted length (the sum of its nodes'
+    estimated path acceptance, ``exp(logp)``), by depth, then every other node in index order. The
+    spine is what a chain verifier takes from the tree (vLLM verifies the spine alone when a batch
+    needs its chain sampler, tree_sampler.py)."""
     b, n = tree.tokens.shape
     paths = node_paths(tree.parents, n - 1)                                           # [B, N, N]
     gain = torch.where(paths >= 0, tree.logp.exp().gather(1, paths.clamp(min=0).reshape(b, -1)).reshape(b, n, n), 0)
@@ -104,7 +104,7 @@ class ChainStep:
         self.last_expected: Optional[torch.Tensor] = None  # float32[B] expected accepted length
         self._last: Optional[tuple[list, np.ndarray, StepOutput, torch.Tensor, torch.Tensor]] = None
         self._observed = 0
-        self.last_parents: dict = {}
+        self._proposed: dict = {}   # request id -> (tokens, parents) of its last tree (tree mode)
         self.stats = GraftStats()   # this engine's rounds (host); `prometheus_stats` has the process's
 
     def begin(self) -> None:
@@ -237,33 +237,36 @@ class ChainStep:
         if self.trees:
             self.last_tree, self.last_expected = out.tree, None
             self._last = (list(req_ids), n_tok.copy(), out, None, None)
-        else:
-            tokens, length, expected, sources = self.pricer.choose(out.tree, logp, ids, flags, max_len)
-            self.last_tree, self.last_expected = out.tree, expected
-            self._last = (list(req_ids), n_tok.copy(), out, tokens, sources)
-        if self.trees:
-            order, spine = spine_first(out.tree)
-            toks = out.tree.tokens.gather(1, order)
-            rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
-            pars = torch.where(out.tree.parents.gather(1, order) >= 0,
-                               rank.gather(1, out.tree.parents.gather(1, order).clamp(min=0)), -1)
-            drafts, self.last_parents = [], {}
-            for i, rid in enumerate(req_ids):
-                if chain_rows is not None and i in chain_rows:   # its spine, a chain
-                    m = int(spine[i])
-                    drafts.append(toks[i, 1:m + 1].tolist())
-                    self.last_parents[rid] = (drafts[-1], list(range(-1, m)))
-                else:
-                    drafts.append(toks[i, 1:].tolist())
-                    self.last_parents[rid] = (drafts[-1], pars[i].tolist())
-            return drafts
+            return self._tree_drafts(out.tree, req_ids, chain_rows or ())
+        tokens, length, expected, sources = self.pricer.choose(out.tree, logp, ids, flags, max_len)
+        self.last_tree, self.last_expected = out.tree, expected
+        self._last = (list(req_ids), n_tok.copy(), out, tokens, sources)
         return [row[:n].tolist() for row, n in zip(tokens, length.tolist())]
+
+    def _tree_drafts(self, tree: DraftTree, req_ids: Sequence[str], chain_rows: Collection[int]) -> list[list[int]]:
+        """Tree mode: each row's N - 1 nodes after the root, spine first (`spine_first`), their parents
+        renumbered to that order and kept for `proposed_tree`; a row in ``chain_rows`` gets its spine."""
+        order, spine = spine_first(tree)
+        toks = tree.tokens.gather(1, order)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        old_parent = tree.parents.gather(1, order)
+        pars = torch.where(old_parent >= 0, rank.gather(1, old_parent.clamp(min=0)), -1)
+        drafts, self._proposed = [], {}
+        for i, rid in enumerate(req_ids):
+            if i in chain_rows:
+                m = int(spine[i])
+                drafts.append(toks[i, 1:m + 1].tolist())
+                self._proposed[rid] = (drafts[-1], list(range(-1, m)))
+            else:
+                drafts.append(toks[i, 1:].tolist())
+                self._proposed[rid] = (drafts[-1], pars[i].tolist())
+        return drafts
 
     def proposed_tree(self, req_id: str) -> Optional[tuple[list, list]]:
         """``(tokens, parents)`` of the tree last proposed for ``req_id``: its draft tokens after the
         root and every node's parent (node 0 the root, -1 there); None when the last step proposed it
         none (tree mode off, or the request was not in that step's batch)."""
-        return self.last_parents.get(req_id)
+        return self._proposed.get(req_id)
 
     def _refill_stale(self, req_ids: Sequence[str], token_ids: np.ndarray, n_tok: np.ndarray,
                       slots: np.ndarray) -> None:
