@@ -228,3 +228,30 @@ def test_plan_trees_takes_only_scheduled_prefixes_of_the_last_proposal():
     scheduled = {"a": [5, 6, 7], "b": [1, 2], "c": [3, 5], "d": [9], "e": [4, 4]}
     rows = plan_trees(["a", "b", "c", "d", "e", "f"], scheduled, proposed.get)
     assert rows == {0: [-1, 0, 0, 1]}    # b is a chain, c differs, d's prefix is a chain, e/f unknown
+
+
+def test_tree_verification_refuses_what_it_does_not_implement(monkeypatch):
+    """`tree_runner.refusal` names every unsupported setting of a config (the runner refuses at start)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from vllm_worker.tree_runner import refusal
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True, raising=False)
+
+    def cfg(**kw):
+        model = SimpleNamespace(uses_mrope=kw.get("mrope", False), use_mla=kw.get("mla", False),
+                                is_hybrid=False, is_attention_free=False,
+                                get_sliding_window=lambda: kw.get("window"))
+        return SimpleNamespace(model_config=model,
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=kw.get("pp", 1),
+                                                               tensor_parallel_size=kw.get("tp", 1)),
+                               cache_config=SimpleNamespace(cache_dtype=kw.get("kv", "auto")))
+
+    assert refusal(cfg()) is None
+    assert refusal(cfg(pp=2)) == "pipeline parallelism"
+    assert refusal(cfg(tp=2, window=4096)) == "tensor parallelism, a sliding window"
+    assert refusal(cfg(mla=True, kv="fp8")) == "MLA, kv_cache_dtype=fp8"
+    assert refusal(cfg(mrope=True)) == "M-RoPE"

@@ -27,7 +27,7 @@ from .tree_attention import TreeStep, compact, set_step
 from .tree_sampler import TreeSampler
 from .tree_verify import StepTrees
 
-__all__ = ["install", "plan_trees"]
+__all__ = ["install", "plan_trees", "refusal"]
 
 logger = logging.getLogger("vllm.graft")
 #: tree steps between two log lines of the runner's tree counters
@@ -65,9 +65,38 @@ def _depths(parents: list) -> list:
     return d
 
 
+def refusal(vllm_config) -> Optional[str]:
+    """Why tree verification cannot run with this engine config, or None: pipeline or tensor
+    parallelism (not exercised: every rank must verify the same trees), M-RoPE, sliding-window,
+    MLA, hybrid or attention-free models, a quantized KV cache (the CPU tree attention reads the
+    cache back), or a device other than the CPU (no GPU tree attention yet)."""
+    from vllm.platforms import current_platform
+
+    model, par, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    checks = (("a device other than the CPU", not current_platform.is_cpu()),
+              ("pipeline parallelism", par.pipeline_parallel_size > 1),
+              ("tensor parallelism", par.tensor_parallel_size > 1),
+              ("M-RoPE", bool(getattr(model, "uses_mrope", False))),
+              ("a sliding window", model.get_sliding_window() is not None),
+              ("MLA", bool(getattr(model, "use_mla", False))),
+              ("a hybrid model", bool(getattr(model, "is_hybrid", False))),
+              ("an attention-free model", bool(getattr(model, "is_attention_free", False))),
+              (f"kv_cache_dtype={cache.cache_dtype}", str(cache.cache_dtype) != "auto"))
+    why = [name for name, hit in checks if hit]
+    return ", ".join(why) if why else None
+
+
 def install(runner, proposer) -> None:
     """Tree verification on one V1 runner (module docstring): its ``rejection_sampler`` becomes a
-    `TreeSampler`, ``_prepare_inputs`` and ``_sample`` are wrapped on the instance."""
+    `TreeSampler`, ``_prepare_inputs`` and ``_sample`` are wrapped on the instance.
+
+    Raises:
+        RuntimeError: the engine config is one `refusal` names (at startup, naming the cause).
+    """
+    why = refusal(runner.vllm_config)
+    if why is not None:
+        raise RuntimeError(f"graft: tree verification does not support {why}; "
+                           "set GRAFT_VLLM_VERIFY=chain to verify one chain per request")
     old = runner.rejection_sampler
     sampler = TreeSampler(old.sampler, runner.speculative_config, runner.device)
     runner.rejection_sampler = sampler
