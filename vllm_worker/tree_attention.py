@@ -43,11 +43,15 @@ class TreeStep:
             layer that attends with the step).
         layers: the ``(layer, impl, kv_cache)`` of every layer that attended with the step (the
             target's), for the KV compaction after verification (`compact`).
+        context: ``{request row: (int64[T] slots, bool[q, T] visible)}`` every context position's
+            slot and each node's visible keys (T = the row's sequence length), the same in every
+            layer (filled by the first).
     """
 
     rows: dict
     slots: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
+    context: dict = field(default_factory=dict)
 
 
 _STEP: Optional[TreeStep] = None
@@ -147,17 +151,18 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             start, q = qsl[i], qsl[i + 1] - qsl[i]
             if q != parents.shape[0]:
                 raise RuntimeError(f"graft: request row {i} runs {q} query tokens for a tree of {parents.shape[0]}")
-            if i not in step.slots:
+            if i not in step.context:
                 step.slots[i] = attn_metadata.slot_mapping[start:start + q].to(torch.int64).clone()
-            total = seq_lens[i]
-            pos = torch.arange(total, dtype=torch.int64)
-            slots = attn_metadata.block_table[i].to(torch.int64)[pos // bs] * bs + pos % bs
-            k, v = self._layout.gather(kv_cache, slots)                       # [total, Hkv, D]
-            visible = torch.ones(q, total, dtype=torch.bool)
-            visible[:, total - q:] = ancestor_mask(parents[None].to(torch.int64))[0]
+                total = seq_lens[i]
+                pos = torch.arange(total, dtype=torch.int64)
+                visible = torch.ones(q, total, dtype=torch.bool)
+                visible[:, total - q:] = ancestor_mask(parents[None].to(torch.int64))[0]
+                step.context[i] = (attn_metadata.block_table[i].to(torch.int64)[pos // bs] * bs + pos % bs, visible)
+            slots, visible = step.context[i]
+            k, v = self._layout.gather(kv_cache, slots)                       # [T, Hkv, D]
             qq = query[start:start + q].transpose(0, 1).float()                # [Hq, q, D]
             rep = self.num_queries_per_kv
-            kk = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)      # [Hq, total, D]
+            kk = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)      # [Hq, T, D]
             vv = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
             att = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=visible, scale=self.scale)
             o[start:start + q] = att.transpose(0, 1).to(o.dtype)

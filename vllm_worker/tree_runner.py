@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from graft_spec.pipeline import node_depths
+
 from .tree_attention import TreeStep, compact, set_step
 from .tree_sampler import TreeSampler
 from .tree_verify import StepTrees
@@ -56,13 +58,6 @@ def plan_trees(req_ids: list, scheduled: dict, proposed) -> dict:
         if any(p[j] != j - 1 for j in range(1, n + 1)):
             rows[i] = p
     return rows
-
-
-def _depths(parents: list) -> list:
-    d = [0] * len(parents)
-    for j in range(1, len(parents)):
-        d[j] = d[parents[j]] + 1
-    return d
 
 
 def refusal(vllm_config) -> Optional[str]:
@@ -116,10 +111,11 @@ def install(runner, proposer) -> None:
             return out
         qsl = runner.query_start_loc.np
         for i, p in rows.items():
-            depth = torch.tensor(_depths(p), dtype=runner.positions.dtype, device=runner.positions.device)
+            depth = node_depths(torch.tensor([p], dtype=torch.int64))[0]
             start = int(qsl[i])
             base = int(batch.num_computed_tokens_cpu[i])
-            runner.positions[start:start + len(p)] = base + depth
+            runner.positions[start:start + len(p)] = (base + depth).to(runner.positions.device,
+                                                                        runner.positions.dtype)
         spec = out[1]
         b = batch.num_reqs
         width = max(spec.num_draft_tokens) + 1
@@ -140,14 +136,16 @@ def install(runner, proposer) -> None:
         state["step"] = None
         verdict = sampler.last
         proposer.tree_paths = None
-        if step is not None and verdict is not None:
+        if step is None:
+            return result
+        if verdict is not None:
             counts["tree_steps"] += 1
             counts["tree_rows"] += len(step.rows)
             counts["moved"] += compact(step, verdict.accept_index)
             proposer.tree_paths = verdict.accept_index
-        elif step is not None:
+        else:
             counts["spine_steps"] += 1
-        if sum(counts.values()) and (counts["tree_steps"] + counts["spine_steps"]) % LOG_EVERY == 0:
+        if (counts["tree_steps"] + counts["spine_steps"]) % LOG_EVERY == 0:
             logger.info("graft: tree verification: %s", counts)
         return result
 

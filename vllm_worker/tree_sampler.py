@@ -22,6 +22,7 @@ drafter: path node j's KV sits at slot ``P + accept_index[j]`` until it is moved
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -160,16 +161,17 @@ class TreeSampler(RejectionSampler):
         def dev_int32(xs):
             return torch.tensor(xs, dtype=torch.int32, device=dev)
 
+        rows = torch.tensor(keep, dtype=torch.int64, device=dev)
         chain = SpecDecodeMetadata(
             draft_token_ids=torch.tensor(drafts, dtype=metadata.draft_token_ids.dtype, device=dev),
-            num_draft_tokens=spine, cu_num_draft_tokens=dev_int32(_cumsum(spine)),
-            cu_num_sampled_tokens=dev_int32(_cumsum([m + 1 for m in spine])),
+            num_draft_tokens=spine, cu_num_draft_tokens=dev_int32(list(accumulate(spine))),
+            cu_num_sampled_tokens=dev_int32(list(accumulate(m + 1 for m in spine))),
             target_logits_indices=dev_int32(target), bonus_logits_indices=dev_int32(bonus),
-            logits_indices=metadata.logits_indices[torch.tensor(keep, dtype=torch.int64, device=dev)])
+            logits_indices=metadata.logits_indices[rows])
         md = sampling_metadata
         if md.spec_token_ids is not None:
             md = replace(md, spec_token_ids=[list(s[:m]) for s, m in zip(md.spec_token_ids, spine)])
-        out = super().forward(chain, None, logits[torch.tensor(keep, dtype=torch.int64, device=dev)], md)
+        out = super().forward(chain, None, logits[rows], md)
         ids, lp = out.sampled_token_ids, out.logprobs_tensors
         b, w = ids.shape
         pad = metadata.max_spec_len + 1 - w
@@ -185,11 +187,3 @@ def _pad_rows(x: torch.Tensor, b: int, w: int, pad: int) -> torch.Tensor:
     """``[b * w, ...]`` -> ``[b * (w + pad), ...]``: each request's rows followed by ``pad`` zero rows."""
     x = x.reshape(b, w, *x.shape[1:])
     return torch.cat([x, x.new_zeros(b, pad, *x.shape[2:])], 1).reshape(b * (w + pad), *x.shape[2:])
-
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
