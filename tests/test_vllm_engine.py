@@ -160,8 +160,8 @@ def test_greedy_outputs_equal_no_speculation(engine_run, method, batch):
 
 def test_graft_verifies_trees_in_the_engine(engine_run):
     """``graft`` ran tree steps (tree attention, tree sampler) and moved accepted KV (compaction): its
-    runner's counters (tree_runner.py, logged every 50 tree steps); the tree accepts more per step than
-    the same planner's best chain."""
+    runner's counters (tree_runner.py, logged every 50 tree steps), and every tree row's outcome went to
+    the planner (`ChainStep.verified`); the tree accepts more per step than the same planner's best chain."""
     import ast
 
     lines = [ln.split("graft: tree verification: ", 1)[1] for ln in engine_run["log"].splitlines()
@@ -169,6 +169,7 @@ def test_graft_verifies_trees_in_the_engine(engine_run):
     assert lines, "no tree verification counters in the graft engine's log"
     last = ast.literal_eval(lines[-1].strip())
     assert last["tree_steps"] >= 50 and last["tree_rows"] >= last["tree_steps"] and last["moved"] > 0, last
+    assert last["observed_rows"] >= last["tree_rows"], last
     (tree,) = _rows(engine_run, method="graft", mode="greedy", batch=1)
     (chain,) = _rows(engine_run, method="graft-chain", mode="greedy", batch=1)
     assert tree["mean_accepted_length"] > chain["mean_accepted_length"], (tree, chain)

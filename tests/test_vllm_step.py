@@ -376,9 +376,11 @@ def test_per_source_acceptance_is_logged(caplog):
 
 
 def _decode_trees(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, prompts: dict[str, list[int]],
-                  k: int, new_tokens: int, chain_rows=None):
+                  k: int, new_tokens: int, chain_rows=None, report: bool = False, scheduled: int = 0):
     """`_decode` for tree mode: the proposed nodes verified as trees (`tree_verify.verify_trees`, vLLM's
-    layout: every node's logits are the bigram target's row of its token)."""
+    layout: every node's logits are the bigram target's row of its token). ``scheduled`` > 0 cuts
+    each tree to its first nodes (vLLM scheduling a prefix); ``report`` hands the verdict to
+    `ChainStep.verified` as tree_runner.py does."""
     from vllm_worker.tree_verify import StepTrees, verify_trees
 
     batch = _Batch()
@@ -400,7 +402,9 @@ def _decode_trees(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, 
                              batch.num_tokens_no_spec[:b], k, chain_rows=chain_rows)
         proposed = [step.proposed_tree(r) for r in active]
         assert all(t == d for (t, _), d in zip(proposed, drafts))
-        parents = [p for _, p in proposed]
+        if scheduled:
+            drafts = [d[:scheduled] for d in drafts]
+        parents = [p[: len(d) + 1] for (_, p), d in zip(proposed, drafts)]
         shapes.append([(len(d), p) for d, p in zip(drafts, parents)])
         w = max(len(d) for d in drafts) + 1
         par = torch.full((b, w), -1, dtype=torch.int64)
@@ -409,7 +413,9 @@ def _decode_trees(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, 
         toks = [[int(roots[i])] + d for i, d in enumerate(drafts)]
         logits = torch.cat([target[torch.tensor(t)] for t in toks])
         v = verify_trees(logits, torch.tensor(sum(drafts, [])), StepTrees(par, torch.tensor([len(t) for t in toks])),
-                         temperature=None, all_greedy=True)
+                         temperature=None, all_greedy=True, topk=step.planner.successor_k)
+        if report:
+            step.verified(active, dict(enumerate(parents)), v)
         for i, r in enumerate(active):
             emitted = [x for x in v.output_token_ids[i].tolist() if x >= 0]
             accepted.append(len(emitted))
@@ -447,3 +453,39 @@ def test_tree_mode_proposes_parents_first_trees_spine_first_and_stays_lossless()
     for step_shapes in shapes_c:
         n, parents = step_shapes[0]
         assert parents == list(range(-1, n)) and 1 <= n <= 15
+
+
+def _verified_nodes(step: ChainStep) -> int:
+    """Nodes the calibration counted as verified (per-depth trials, every member source at once)."""
+    return sum(d["trials"] for d in step.planner.calibration_summary()["depths"].values())
+
+
+def test_tree_outcome_feeds_the_calibration_and_the_successor_table_as_in_sglang():
+    """With the verdict reported (`ChainStep.verified`), only verified nodes count as trials (a tree
+    cut to its first 5 nodes adds at most 5 per row and step), and the successor table holds the
+    target's whole top-k after verified nodes (from committed tokens alone it holds top-1 rows)."""
+    vocab, k = 128, 4
+    cycle = [9, 33, 71, 2, 55, 18, 90]
+    target = _cycle_target(vocab, cycle, 5)
+    drafter = _bigram(vocab, 7) * 0.3 + target
+    prompts = {"a": cycle * 2 + cycle[:3], "b": [3, 4, 5, 6]}
+    cfg = GraftConfig(num_draft_tokens=16, topk=3, depth=k)
+    runs = {}
+    for report in (False, True):
+        step = ChainStep(cfg, vocab, trees=True)
+        outs, accepted, _ = _decode_trees(step, target, drafter, prompts, k, 30, report=report, scheduled=5)
+        for r, p in prompts.items():
+            assert outs[r][:30] == _greedy_reference(target, p, 30)
+        runs[report] = (step, len(accepted))
+    step, row_steps = runs[True]
+    assert 0 < _verified_nodes(step) <= 5 * row_steps
+    assert _verified_nodes(runs[False][0]) > 5 * row_steps   # without it unverified nodes count as misses
+    sk = step.planner.successor_k
+    table = step.planner.successor.table
+    assert (runs[False][0].planner.successor.table[:, 1:] == -1).all()
+    full = (table >= 0).all(1).nonzero().flatten()
+    assert full.numel() > 0
+    rows = step.planner.successor.rows
+    for r in full.tolist():
+        tok = r % (rows + 2)
+        assert table[r].tolist() == target[tok].topk(sk).indices.tolist()

@@ -221,13 +221,14 @@ def test_plan_trees_takes_only_scheduled_prefixes_of_the_last_proposal():
     """Rows whose scheduled drafts are a prefix of their proposed tree are trees (cut to the prefix);
     chains, missing proposals, and drafts that differ from the proposal are left to the chain path."""
     pytest.importorskip("vllm")
-    from vllm_worker.tree_runner import plan_trees
+    from vllm_worker.tree_runner import plan_trees, proposal_prefixes
 
     proposed = {"a": ([5, 6, 7, 8], [-1, 0, 0, 1, 2]), "b": ([1, 2], [-1, 0, 1]), "c": ([3, 4], [-1, 0, 0]),
                 "d": ([9, 9, 9], [-1, 0, 0, 0])}
     scheduled = {"a": [5, 6, 7], "b": [1, 2], "c": [3, 5], "d": [9], "e": [4, 4]}
-    rows = plan_trees(["a", "b", "c", "d", "e", "f"], scheduled, proposed.get)
-    assert rows == {0: [-1, 0, 0, 1]}    # b is a chain, c differs, d's prefix is a chain, e/f unknown
+    prefixes = proposal_prefixes(["a", "b", "c", "d", "e", "f"], scheduled, proposed.get)
+    assert prefixes == {0: [-1, 0, 0, 1], 1: [-1, 0, 1], 3: [-1, 0]}   # c differs, e/f have no proposal
+    assert plan_trees(prefixes) == {0: [-1, 0, 0, 1]}    # b is a chain, d's prefix is a chain
 
 
 def test_tree_verification_refuses_what_it_does_not_implement(monkeypatch):

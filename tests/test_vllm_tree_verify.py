@@ -61,7 +61,7 @@ def test_greedy_trees_emit_the_longest_matching_path_then_the_bonus(seed):
     g = torch.Generator().manual_seed(seed)
     b, w, vocab = 6, 9, 7
     trees, tokens, drafts, logits = random_trees(b, w, vocab, g)
-    v = verify_trees(logits, drafts, trees, temperature=None, all_greedy=True)
+    v = verify_trees(logits, drafts, trees, temperature=None, all_greedy=True, topk=3)
     assert v.output_token_ids.dtype == torch.int32 and v.output_token_ids.shape == (b, w)
     start, accepted = 0, 0
     for i in range(b):
@@ -71,9 +71,9 @@ def test_greedy_trees_emit_the_longest_matching_path_then_the_bonus(seed):
         assert row[:len(out)] == out and all(x == PLACEHOLDER_TOKEN_ID for x in row[len(out):])
         assert int(v.accept_length[i]) == len(out)
         assert v.accept_index[i, :len(path)].tolist() == path and (v.accept_index[i, len(path):] == -1).all()
-        # the target's token after each node: the argmax (greedy), -1 past the row's size
-        assert v.target_ids[i, :s].tolist() == logits[start:start + s].argmax(-1).tolist()
-        assert (v.target_ids[i, s:] == -1).all()
+        # the target's top-3 after each node, best first, -1 past the row's size
+        assert v.target_topk[i, :s].tolist() == logits[start:start + s].topk(3, -1).indices.tolist()
+        assert (v.target_topk[i, s:] == -1).all()
         start += s
         accepted += len(out) - 1
     assert accepted > 0

@@ -32,6 +32,7 @@ from graft_spec.pipeline import (ChainPricer, DraftTree, GraftPlanner, GraftStat
                                  on_path_from_tokens, spine_tree, tree_draft_candidates)
 
 from .chains import build_chains, observe_committed
+from .tree_verify import TreeVerdict
 from .requests import RequestTracker
 
 __all__ = ["ChainStep", "prometheus_stats"]
@@ -105,6 +106,8 @@ class ChainStep:
         self._last: Optional[tuple[list, np.ndarray, StepOutput, torch.Tensor, torch.Tensor]] = None
         self._observed = 0
         self._proposed: dict = {}   # request id -> (tokens, parents) of its last tree (tree mode)
+        self._rank: Optional[torch.Tensor] = None   # int64[B, N] proposal column of each node (tree mode)
+        self._verified: dict = {}   # request id -> (size, target top-k [W, k]) of its verified tree
         self.stats = GraftStats()   # this engine's rounds (host); `prometheus_stats` has the process's
 
     def begin(self) -> None:
@@ -153,7 +156,8 @@ class ChainStep:
             new = token_ids[i, int(old_n[j]):int(num_tokens[i])][:width]
             committed[j, : len(new)] = torch.from_numpy(np.asarray(new, dtype=np.int64))
             lens[j] = len(new)
-        stats = observe_committed(self.planner, out, committed, lens, slots)
+        verified, topk = self._tree_outcome(rids, out, lens)
+        stats = observe_committed(self.planner, out, committed, lens, slots, verified, topk)
         if self.trees:   # the accepted nodes' tokens and sources, root-first, from the committed tokens
             chains, sources = _accepted_path(out.tree, committed, lens)
         else:
@@ -164,6 +168,36 @@ class ChainStep:
         self._observed += 1
         if self.log_every and self._observed % self.log_every == 0:
             self.log_sources()
+
+    def verified(self, req_ids: Sequence[str], prefixes: dict, verdict: TreeVerdict) -> None:
+        """How vLLM verified the trees last proposed (tree_runner.py, in ``_sample``, before the next
+        `finish` observes them): for each batch row in ``prefixes`` (row -> parents of the scheduled
+        prefix of its proposal, `tree_runner.proposal_prefixes`) the verified size and the target's
+        top-k at every node (``verdict.target_topk``, row-aligned with ``req_ids``)."""
+        topk = verdict.target_topk
+        self._verified = {req_ids[i]: (len(p), None if topk is None else topk[i].cpu()) for i, p in prefixes.items()}
+
+    def _tree_outcome(self, rids: Sequence[str], out: StepOutput, lens: torch.Tensor
+                      ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(verified bool[B, N], target_topk int64[B, N, k])`` of last step's tree from `verified`
+        (a node is verified when its proposal column is inside the scheduled prefix), or (None, None)
+        when no row of it was verified as a tree."""
+        outcome, self._verified = self._verified, {}
+        if not self.trees or self._rank is None or not outcome:
+            return None, None
+        rank = self._rank
+        b, n = rank.shape
+        k = max(self.planner.successor_k, 1)
+        verified = torch.zeros(b, n, dtype=torch.bool)
+        topk = torch.full((b, n, k), -1, dtype=torch.int64)
+        for j, rid in enumerate(rids):
+            if rid not in outcome or int(lens[j]) == 0:
+                continue
+            size, tk = outcome[rid]
+            verified[j] = rank[j] < size
+            if tk is not None:
+                topk[j] = tk[rank[j].clamp(max=size - 1), :k]
+        return verified, topk
 
     def _record(self, chains: torch.Tensor, sources: torch.Tensor, committed: torch.Tensor, lens: torch.Tensor,
                 stats) -> None:
@@ -249,6 +283,7 @@ class ChainStep:
         order, spine = spine_first(tree)
         toks = tree.tokens.gather(1, order)
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        self._rank = rank
         old_parent = tree.parents.gather(1, order)
         pars = torch.where(old_parent >= 0, rank.gather(1, old_parent.clamp(min=0)), -1)
         drafts, self._proposed = [], {}

@@ -11,7 +11,9 @@ where the nodes' keys and values are written. `install` wraps two methods of one
   (`TreeSampler.set_trees`; chains among them are trees too);
 * ``_sample`` (:3437): the target forward is over, so the attention step is cleared (the drafter's
   layers attend as vLLM does), the sampler verifies, and each accepted path's KV moves from the slots
-  of its tree indices to the chain's (`tree_attention.compact`) before anything reads it.
+  of its tree indices to the chain's (`tree_attention.compact`) before anything reads it; the verdict
+  (verified sizes, the target's top-k at every node) goes to the planner (`ChainStep.verified`), whose
+  calibration and successor table then see the whole tree's outcome.
 
 The drafter's inputs follow the accepted path through `GraftProposer.prepare_inputs`.
 """
@@ -29,35 +31,40 @@ from .tree_attention import TreeStep, compact, set_step
 from .tree_sampler import TreeSampler
 from .tree_verify import StepTrees
 
-__all__ = ["install", "plan_trees", "refusal"]
+__all__ = ["install", "plan_trees", "proposal_prefixes", "refusal"]
 
 logger = logging.getLogger("vllm.graft")
 #: tree steps between two log lines of the runner's tree counters
 LOG_EVERY = 50
 
 
-def plan_trees(req_ids: list, scheduled: dict, proposed) -> dict:
-    """``{row: parents list}`` of this step's tree rows (not chains).
+def proposal_prefixes(req_ids: list, scheduled: dict, proposed) -> dict:
+    """``{row: parents list}`` of the rows whose scheduled draft tokens are a non-empty prefix of the
+    tree last proposed for them (chains included): node j of such a row is column j of its proposal.
 
     Args:
         req_ids: the input batch's request ids, by row.
         scheduled: request id -> the draft tokens vLLM scheduled (``scheduled_spec_decode_tokens``).
         proposed: request id -> ``(tokens, parents)`` of the tree last proposed for it, or None.
-    A row whose scheduled tokens are not a prefix of its last proposal is verified as a chain: the
-    attention, the positions and the sampler all follow this plan, so a chain of tree tokens is
-    still verified exactly (only less of it is accepted).
     """
     rows = {}
     for i, rid in enumerate(req_ids):
         drafts = list(scheduled.get(rid) or ())
         n = len(drafts)
         tree = proposed(rid) if n else None
-        if tree is None or len(tree[1]) < n + 1 or list(tree[0][:n]) != drafts:
-            continue
-        p = list(tree[1][: n + 1])
-        if any(p[j] != j - 1 for j in range(1, n + 1)):
-            rows[i] = p
+        if tree is not None and len(tree[1]) >= n + 1 and list(tree[0][:n]) == drafts:
+            rows[i] = list(tree[1][: n + 1])
     return rows
+
+
+def plan_trees(prefixes: dict) -> dict:
+    """``{row: parents list}`` of this step's tree rows (not chains), from `proposal_prefixes`.
+
+    A row whose scheduled tokens are not a prefix of its last proposal is verified as a chain: the
+    attention, the positions and the sampler all follow this plan, so a chain of tree tokens is
+    still verified exactly (only less of it is accepted).
+    """
+    return {i: p for i, p in prefixes.items() if any(p[j] != j - 1 for j in range(1, len(p)))}
 
 
 def refusal(vllm_config) -> Optional[str]:
@@ -94,17 +101,21 @@ def install(runner, proposer) -> None:
                            "set GRAFT_VLLM_VERIFY=chain to verify one chain per request")
     old = runner.rejection_sampler
     sampler = TreeSampler(old.sampler, runner.speculative_config, runner.device)
+    sampler.successor_k = proposer.graft.planner.successor_k
     runner.rejection_sampler = sampler
     prepare, sample = runner._prepare_inputs, runner._sample
-    state: dict = {"step": None}
-    counts = runner.graft_tree_counts = {"tree_steps": 0, "spine_steps": 0, "tree_rows": 0, "moved": 0}
+    state: dict = {"step": None, "prefixes": {}, "req_ids": []}
+    counts = runner.graft_tree_counts = {"tree_steps": 0, "spine_steps": 0, "tree_rows": 0, "moved": 0,
+                                          "observed_rows": 0}
 
     def _prepare_inputs(scheduler_output, num_scheduled_tokens):
         out = prepare(scheduler_output, num_scheduled_tokens)
         batch = runner.input_batch
-        rows = plan_trees(batch.req_ids[: batch.num_reqs], scheduler_output.scheduled_spec_decode_tokens,
-                          proposer.graft.proposed_tree)
-        state["step"] = None
+        req_ids = list(batch.req_ids[: batch.num_reqs])
+        prefixes = proposal_prefixes(req_ids, scheduler_output.scheduled_spec_decode_tokens,
+                                     proposer.graft.proposed_tree)
+        rows = plan_trees(prefixes)
+        state.update(step=None, prefixes=prefixes, req_ids=req_ids)
         if not rows:
             set_step(None)
             sampler.set_trees(None)
@@ -143,6 +154,8 @@ def install(runner, proposer) -> None:
             counts["tree_rows"] += len(step.rows)
             counts["moved"] += compact(step, verdict.accept_index)
             proposer.tree_paths = verdict.accept_index
+            proposer.graft.verified(state["req_ids"], state["prefixes"], verdict)
+            counts["observed_rows"] += len(state["prefixes"])
         else:
             counts["spine_steps"] += 1
         if (counts["tree_steps"] + counts["spine_steps"]) % LOG_EVERY == 0:

@@ -102,10 +102,13 @@ class TreeSampler(RejectionSampler):
     Attributes:
         last: the last tree step's `TreeVerdict` (None after a chain step).
         last_reason: why the last tree step verified spines only (`chain_reason`), else None.
+        successor_k: the target's top-k the verdict reports at every node (`TreeVerdict.target_topk`,
+            graft's successor table), 0 for none.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.successor_k = 0
         self._trees: Optional[StepTrees] = None
         self.last: Optional[TreeVerdict] = None
         self.last_reason: Optional[str] = None
@@ -137,7 +140,7 @@ class TreeSampler(RejectionSampler):
         md = sampling_metadata
         verdict = verify_trees(logits, metadata.draft_token_ids, trees, temperature=md.temperature,
                                all_greedy=md.all_greedy, top_k=md.top_k, top_p=md.top_p,
-                               generators=md.generators, top_k_top_p=apply_top_k_top_p)
+                               generators=md.generators, top_k_top_p=apply_top_k_top_p, topk=self.successor_k)
         self.last = verdict
         return SamplerOutput(sampled_token_ids=verdict.output_token_ids, logprobs_tensors=None)
 

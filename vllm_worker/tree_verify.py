@@ -62,14 +62,15 @@ class TreeVerdict:
         accept_index: ``int64[B, W]`` tree indices of the accepted path, root (0) first, -1 padded
             (the rows whose KV and hidden states the next step keeps).
         accept_length: ``int64[B]`` tokens emitted per row (accepted nodes + the bonus).
-        target_ids: ``int64[B, W]`` the token the target put after every node (greedy: its argmax;
-            sampled: the path's draws at accepted nodes, the argmax elsewhere), -1 past a row's size.
+        target_topk: ``int64[B, W, k]`` the target's top-k tokens after every node, best first (raw
+            logits, as SGLang's worker hands its successor table), -1 past a row's size; None when
+            `verify_trees` was asked for none (``topk=0``).
     """
 
     output_token_ids: torch.Tensor
     accept_index: torch.Tensor
     accept_length: torch.Tensor
-    target_ids: torch.Tensor
+    target_topk: Optional[torch.Tensor] = None
 
 
 def pack_rows(sizes: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +93,7 @@ def verify_trees(logits: torch.Tensor, draft_token_ids: torch.Tensor, trees: Ste
                  temperature: Optional[torch.Tensor], all_greedy: bool,
                  top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None,
                  generators: Optional[Mapping[int, torch.Generator]] = None,
-                 top_k_top_p: Optional[Callable] = None) -> TreeVerdict:
+                 top_k_top_p: Optional[Callable] = None, topk: int = 0) -> TreeVerdict:
     """Verify one tree per request from vLLM's flat logits (module docstring).
 
     Args:
@@ -108,6 +109,7 @@ def verify_trees(logits: torch.Tensor, draft_token_ids: torch.Tensor, trees: Ste
         generators: batch row -> the request's seeded ``torch.Generator`` (its coins come from it).
         top_k_top_p: ``(logits, k, p) -> logits`` masking function (vLLM's ``apply_top_k_top_p``);
             required when top_k or top_p is given.
+        topk: the target's top-k to report at every node (`TreeVerdict.target_topk`), 0 for none.
     Returns:
         `TreeVerdict`.
     Raises:
@@ -126,11 +128,13 @@ def verify_trees(logits: torch.Tensor, draft_token_ids: torch.Tensor, trees: Ste
     draft_row = (rows - torch.arange(b, device=dev)[:, None] - 1).clamp(min=0)
     tokens = torch.where(valid & (torch.arange(width, device=dev) > 0), drafts[draft_row], -1)
     parents = torch.where(valid, trees.parents.to(dev, torch.int64), -1)   # padding: unreachable roots
-    argmax = logits.argmax(dim=-1)[rows]
-    target = torch.where(valid, argmax, -1)
+    target = torch.where(valid, logits.argmax(dim=-1)[rows], -1)
+    target_topk = None
+    if topk > 0:
+        target_topk = torch.where(valid[:, :, None], logits.topk(topk, dim=-1).indices[rows], -1)
     greedy = greedy_verify(tokens, parents, target)
     if all_greedy:
-        return _verdict(tokens, greedy.accept_index, greedy.accept_length, greedy.bonus, target)
+        return _verdict(tokens, greedy.accept_index, greedy.accept_length, greedy.bonus, target_topk)
     t = temperature.to(dev, torch.float32)
     x = logits.float() / torch.where(t == 0, 1.0, t).repeat_interleave(sizes, output_size=logits.shape[0])[:, None]
     if top_k is not None or top_p is not None:
@@ -147,19 +151,15 @@ def verify_trees(logits: torch.Tensor, draft_token_ids: torch.Tensor, trees: Ste
     accept_index = torch.where(is_greedy, greedy.accept_index, sampled.accept_index)
     accept_length = torch.where(is_greedy[:, 0], greedy.accept_length, sampled.accept_length)
     bonus = torch.where(is_greedy[:, 0], greedy.bonus, sampled.bonus)
-    return _verdict(tokens, accept_index, accept_length, bonus, target)
+    return _verdict(tokens, accept_index, accept_length, bonus, target_topk)
 
 
 def _verdict(tokens: torch.Tensor, accept_index: torch.Tensor, accept_length: torch.Tensor, bonus: torch.Tensor,
-             target: torch.Tensor) -> TreeVerdict:
+             target_topk: Optional[torch.Tensor]) -> TreeVerdict:
     """Chain-format output: path tokens after the root, then the bonus, then the placeholder."""
-    b, w = tokens.shape
+    w = tokens.shape[1]
     col = torch.arange(w, device=tokens.device)
     path = tokens.gather(1, torch.cat([accept_index[:, 1:], accept_index[:, :1]], 1).clamp(min=0))
     out = torch.where(col[None, :] < (accept_length - 1)[:, None], path, PLACEHOLDER_TOKEN_ID)
     out = torch.where(col[None, :] == (accept_length - 1)[:, None], bonus[:, None], out)
-    # the target's token after every accepted node is the next path token (the bonus after the last)
-    dest = torch.where(accept_index >= 0, accept_index, w)
-    after = torch.full((b, w + 1), -1, dtype=torch.int64, device=tokens.device).scatter_(1, dest, out)[:, :w]
-    target = torch.where(after >= 0, after, target)
-    return TreeVerdict(out.to(torch.int32), accept_index, accept_length, target)
+    return TreeVerdict(out.to(torch.int32), accept_index, accept_length, target_topk)
