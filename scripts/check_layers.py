@@ -56,6 +56,8 @@ LAZY: Dict[Tuple[str, str], str] = {
         "vLLM's plugin entry: only a model runner with method graft imports the proposer's GPU stack",
     ("vllm_worker.plugin", "vllm_worker.tree_attention"):
         "vLLM's plugin entry: only a graft runner that verifies trees imports vLLM's CPU attention backend",
+    ("vllm_worker.plugin", "vllm_worker.tree_attention_gpu"):
+        "vLLM's plugin entry: only a graft runner that verifies trees on CUDA imports vLLM's FlashAttention backend",
     ("vllm_worker.plugin", "vllm_worker.tree_runner"):
         "vLLM's plugin entry: only a graft runner that verifies trees imports vLLM's sampler stack",
 }

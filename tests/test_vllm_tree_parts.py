@@ -137,7 +137,8 @@ from types import SimpleNamespace
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
-from vllm_worker.tree_attention import KVLayout, TreeStep, compact
+from vllm_worker.tree_attention import KVLayout, compact
+from vllm_worker.tree_step import TreeStep
 
 H, D, BS, NB = 2, 32, 32, 3
 for dtype in (torch.float32, torch.bfloat16):

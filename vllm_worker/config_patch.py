@@ -119,11 +119,12 @@ def load_graft_settings(path: Optional[str], num_speculative_tokens: Optional[in
 
 def tree_verify_enabled() -> bool:
     """Whether graft's trees are verified as trees: ``GRAFT_VLLM_VERIFY=tree`` (the default on the
-    CPU platform, where the tree attention is implemented, vllm_worker/tree_attention.py) or ``chain``
-    (one chain per request, the default elsewhere).
+    CPU platform, vllm_worker/tree_attention.py; opt-in on CUDA, vllm_worker/tree_attention_gpu.py,
+    whose FlashAttention path has not run on a GPU in this project's checks) or ``chain`` (one chain per
+    request, the default off the CPU platform).
 
     Raises:
-        ValueError: another value, or ``tree`` off the CPU platform.
+        ValueError: another value, or ``tree`` on a platform other than the CPU and CUDA.
     """
     from vllm.platforms import current_platform
 
@@ -131,9 +132,13 @@ def tree_verify_enabled() -> bool:
     mode = os.environ.get("GRAFT_VLLM_VERIFY", "tree" if cpu else "chain")
     if mode not in ("tree", "chain"):
         raise ValueError(f"GRAFT_VLLM_VERIFY={mode!r}: expected 'tree' or 'chain'")
+    if mode == "tree" and not (cpu or current_platform.is_cuda()):
+        raise ValueError("GRAFT_VLLM_VERIFY=tree: tree attention exists for vLLM's CPU and CUDA (FlashAttention) "
+                         "backends only; use 'chain' on this platform")
     if mode == "tree" and not cpu:
-        raise ValueError("GRAFT_VLLM_VERIFY=tree: tree attention exists for vLLM's CPU backend only; "
-                         "use 'chain' on this platform")
+        logger.warning("graft: GRAFT_VLLM_VERIFY=tree on CUDA: FlashAttention plus graft's Triton tree "
+                       "attention (vllm_worker/tree_attention_gpu.py); its kernel is checked against the "
+                       "reference by scripts/device_check.sh, the backend has not run on a GPU here")
     return mode == "tree"
 
 

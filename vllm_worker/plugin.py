@@ -64,10 +64,16 @@ def _install_graft_drafter(runner) -> None:
     trees = tree_verify_enabled()
     runner.drafter = GraftProposer(runner.vllm_config, runner.device, runner, trees=trees)
     if trees:
-        from . import tree_attention, tree_runner
+        from vllm.platforms import current_platform
 
-        tree_attention.register()
-        tree_runner.install(runner, runner.drafter)
+        from . import tree_runner
+
+        if current_platform.is_cpu():
+            from . import tree_attention as backend
+        else:
+            from . import tree_attention_gpu as backend
+        backend.register()
+        tree_runner.install(runner, runner.drafter, backend.compact)
         logger.info("graft: drafter is GraftProposer (EAGLE-3 tree -> prune -> graft), verified as trees "
                     "on the V1 model runner")
     else:

@@ -21,7 +21,6 @@ implement: quantized KV caches, ALiBi, soft caps, sliding windows and attention 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -29,43 +28,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from graft_spec.pipeline import ancestor_mask
 
-__all__ = ["TreeCPUAttentionBackend", "TreeStep", "KVLayout", "set_step", "current_step", "compact", "register"]
+from .tree_step import TreeStep, current_step
 
-
-@dataclass
-class TreeStep:
-    """The trees of the verify step being run.
-
-    Attributes:
-        rows: ``{request row: int64[q] parents}`` for every request whose scheduled tokens are a tree
-            (node 0 its root, -1 there); rows not listed are attended as vLLM does.
-        slots: ``{request row: int64[q]}`` the cache slots of each tree's nodes (filled by the first
-            layer that attends with the step).
-        layers: the ``(layer, impl, kv_cache)`` of every layer that attended with the step (the
-            target's), for the KV compaction after verification (`compact`).
-        context: ``{request row: (int64[T] slots, bool[q, T] visible)}`` every context position's
-            slot and each node's visible keys (T = the row's sequence length), the same in every
-            layer (filled by the first).
-    """
-
-    rows: dict
-    slots: dict = field(default_factory=dict)
-    layers: list = field(default_factory=list)
-    context: dict = field(default_factory=dict)
-
-
-_STEP: Optional[TreeStep] = None
-
-
-def set_step(step: Optional[TreeStep]) -> None:
-    """Set (or clear, None) the trees the next target forward attends with."""
-    global _STEP
-    _STEP = step
-
-
-def current_step() -> Optional[TreeStep]:
-    """The trees set by `set_step`, or None."""
-    return _STEP
+__all__ = ["TreeCPUAttentionBackend", "KVLayout", "compact", "register"]
 
 
 class KVLayout:
@@ -130,13 +95,15 @@ class KVLayout:
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, then tree rows recomputed (module docstring)."""
 
+    #: the mark `tree_runner.attention_refusal` looks for on every attention layer's implementation
+    graft_tree = True
     _layout: Optional[KVLayout] = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
-        step = _STEP
+        step = current_step()
         if step is None or attn_metadata is None or not step.rows:
             return out
         self._check()

@@ -3,11 +3,12 @@
 vLLM's scheduler only counts tokens: a request whose drafts are a tree's nodes (parents first, node 0
 the root) gets ``1 + n`` query tokens at slots ``P .. P + n`` (P = its computed tokens), which is
 where the nodes' keys and values are written. `install` wraps two methods of one runner instance
-(gpu_model_runner.py, 0.32 line numbers):
+(gpu_model_runner.py, 0.32 line numbers), and ``load_model`` (after it, every attention layer must run
+graft's tree attention, `attention_refusal`):
 
 * ``_prepare_inputs`` (:1920): after vLLM's, a tree row's RoPE positions become ``P + depth(j)``
   (slots and input ids stay by index; the drafter reads the same positions, :4964), and the step's
-  trees are handed to the attention (`tree_attention.set_step`) and the sampler
+  trees are handed to the attention (`tree_step.set_step`) and the sampler
   (`TreeSampler.set_trees`; chains among them are trees too);
 * ``_sample`` (:3437): the target forward is over, so the attention step is cleared (the drafter's
   layers attend as vLLM does), the sampler verifies, and each accepted path's KV moves from the slots
@@ -21,17 +22,17 @@ The drafter's inputs follow the accepted path through `GraftProposer.prepare_inp
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from graft_spec.pipeline import node_depths
 
-from .tree_attention import TreeStep, compact, set_step
+from .tree_step import TreeStep, set_step
 from .tree_sampler import TreeSampler
 from .tree_verify import StepTrees
 
-__all__ = ["install", "plan_trees", "proposal_prefixes", "refusal"]
+__all__ = ["attention_refusal", "install", "plan_trees", "proposal_prefixes", "refusal"]
 
 logger = logging.getLogger("vllm.graft")
 #: tree steps between two log lines of the runner's tree counters
@@ -70,12 +71,12 @@ def plan_trees(prefixes: dict) -> dict:
 def refusal(vllm_config) -> Optional[str]:
     """Why tree verification cannot run with this engine config, or None: pipeline or tensor
     parallelism (not exercised: every rank must verify the same trees), M-RoPE, sliding-window,
-    MLA, hybrid or attention-free models, a quantized KV cache (the CPU tree attention reads the
-    cache back), or a device other than the CPU (no GPU tree attention yet)."""
+    MLA, hybrid or attention-free models, a quantized KV cache (the tree attention reads the cache
+    back), or a device other than the CPU and CUDA (tree attention exists for those two)."""
     from vllm.platforms import current_platform
 
     model, par, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    checks = (("a device other than the CPU", not current_platform.is_cpu()),
+    checks = (("a device other than the CPU and CUDA", not (current_platform.is_cpu() or current_platform.is_cuda())),
               ("pipeline parallelism", par.pipeline_parallel_size > 1),
               ("tensor parallelism", par.tensor_parallel_size > 1),
               ("M-RoPE", bool(getattr(model, "uses_mrope", False))),
@@ -88,9 +89,22 @@ def refusal(vllm_config) -> Optional[str]:
     return ", ".join(why) if why else None
 
 
-def install(runner, proposer) -> None:
+def attention_refusal(vllm_config) -> Optional[str]:
+    """Why the loaded model's attention cannot verify trees, or None: every attention layer
+    (``compilation_config.static_forward_context``) must run graft's tree attention (an implementation
+    marked ``graft_tree``: vLLM's CPU or FlashAttention backend under graft's registration); another
+    backend (FlashInfer, Triton, ...) is named."""
+    context = vllm_config.compilation_config.static_forward_context
+    other = sorted({type(layer.impl).__name__ for layer in context.values()
+                    if getattr(layer, "impl", None) is not None and not getattr(layer.impl, "graft_tree", False)})
+    return f"the attention backend {', '.join(other)}" if other else None
+
+
+def install(runner, proposer, compact: Callable) -> None:
     """Tree verification on one V1 runner (module docstring): its ``rejection_sampler`` becomes a
-    `TreeSampler`, ``_prepare_inputs`` and ``_sample`` are wrapped on the instance.
+    `TreeSampler`, ``_prepare_inputs``, ``_sample`` and ``load_model`` are wrapped on the instance;
+    ``compact`` is the attention backend's KV compaction (`tree_attention.compact` on CPU,
+    `tree_attention_gpu.compact` on CUDA).
 
     Raises:
         RuntimeError: the engine config is one `refusal` names (at startup, naming the cause).
@@ -103,7 +117,7 @@ def install(runner, proposer) -> None:
     sampler = TreeSampler(old.sampler, runner.speculative_config, runner.device)
     sampler.successor_k = proposer.graft.planner.successor_k
     runner.rejection_sampler = sampler
-    prepare, sample = runner._prepare_inputs, runner._sample
+    prepare, sample, load_model = runner._prepare_inputs, runner._sample, runner.load_model
     state: dict = {"step": None, "prefixes": {}, "req_ids": []}
     counts = runner.graft_tree_counts = {"tree_steps": 0, "spine_steps": 0, "tree_rows": 0, "moved": 0,
                                           "observed_rows": 0}
@@ -134,7 +148,8 @@ def install(runner, proposer) -> None:
         for i, p in rows.items():
             parents[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
         sizes = torch.tensor([n + 1 for n in spec.num_draft_tokens], dtype=torch.int64)
-        step = TreeStep({i: torch.tensor(p, dtype=torch.int64) for i, p in rows.items()})
+        step = TreeStep({i: torch.tensor(p, dtype=torch.int64) for i, p in rows.items()},
+                        starts={i: int(qsl[i]) for i in rows})
         state["step"] = step
         set_step(step)
         sampler.set_trees(StepTrees(parents, sizes))
@@ -152,7 +167,7 @@ def install(runner, proposer) -> None:
         if verdict is not None:
             counts["tree_steps"] += 1
             counts["tree_rows"] += len(step.rows)
-            counts["moved"] += compact(step, verdict.accept_index)
+            counts["moved"] += int(compact(step, verdict.accept_index))
             proposer.tree_paths = verdict.accept_index
             proposer.graft.verified(state["req_ids"], state["prefixes"], verdict)
             counts["observed_rows"] += len(state["prefixes"])
@@ -162,6 +177,15 @@ def install(runner, proposer) -> None:
             logger.info("graft: tree verification: %s", counts)
         return result
 
+    def _load_model(*args, **kwargs):
+        out = load_model(*args, **kwargs)
+        why = attention_refusal(runner.vllm_config)
+        if why is not None:
+            raise RuntimeError(f"graft: tree verification does not support {why}; on CUDA start vLLM with "
+                               "attention_backend FLASH_ATTN, or set GRAFT_VLLM_VERIFY=chain")
+        return out
+
     runner._prepare_inputs = _prepare_inputs
     runner._sample = _sample
+    runner.load_model = _load_model
     logger.info("graft: the runner verifies graft trees (tree attention, tree sampler, KV compaction)")

@@ -1,0 +1,50 @@
+"""`TreeStep`: the trees of the verify step being run, shared by the runner (tree_runner.py) and the
+tree attention backends (tree_attention.py on CPU, tree_attention_gpu.py on CUDA). No vLLM import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["TreeStep", "set_step", "current_step"]
+
+
+@dataclass
+class TreeStep:
+    """The trees of the verify step being run.
+
+    Attributes:
+        rows: ``{request row: int64[q] parents}`` for every request whose scheduled tokens are a tree
+            (node 0 its root, -1 there); rows not listed are attended as vLLM does.
+        slots: ``{request row: int64[q]}`` the cache slots of each tree's nodes (filled by the first
+            layer that attends with the step).
+        layers: the ``(layer, impl, kv_cache)`` of every layer that attended with the step (the
+            target's), for the KV compaction after verification (`compact`).
+        context: ``{request row: (int64[T] slots, bool[q, T] visible)}`` every context position's
+            slot and each node's visible keys (T = the row's sequence length), the same in every
+            layer (filled by the first; the CUDA backend keeps its device `TreeRows` here).
+        starts: ``{request row: int}`` the first query row of each tree (host: the runner's
+            ``query_start_loc``), for the CUDA backend.
+    """
+
+    rows: dict
+    starts: dict = field(default_factory=dict)
+    slots: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)
+    context: dict = field(default_factory=dict)
+
+
+_STEP: Optional[TreeStep] = None
+
+
+def set_step(step: Optional[TreeStep]) -> None:
+    """Set (or clear, None) the trees the next target forward attends with."""
+    global _STEP
+    _STEP = step
+
+
+def current_step() -> Optional[TreeStep]:
+    """The trees set by `set_step`, or None."""
+    return _STEP
+
+
