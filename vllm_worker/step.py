@@ -32,8 +32,8 @@ from graft_spec.pipeline import (ChainPricer, DraftTree, GraftPlanner, GraftStat
                                  on_path_from_tokens, spine_tree, tree_draft_candidates)
 
 from .chains import build_chains, observe_committed
-from .tree_verify import TreeVerdict
 from .requests import RequestTracker
+from .tree_verify import TreeVerdict
 
 __all__ = ["ChainStep", "prometheus_stats"]
 
@@ -174,8 +174,8 @@ class ChainStep:
         `finish` observes them): for each batch row in ``prefixes`` (row -> parents of the scheduled
         prefix of its proposal, `tree_runner.proposal_prefixes`) the verified size and the target's
         top-k at every node (``verdict.target_topk``, row-aligned with ``req_ids``)."""
-        topk = verdict.target_topk
-        self._verified = {req_ids[i]: (len(p), None if topk is None else topk[i].cpu()) for i, p in prefixes.items()}
+        topk = verdict.target_topk.cpu() if verdict.target_topk is not None else None   # one copy per step
+        self._verified = {req_ids[i]: (len(p), None if topk is None else topk[i]) for i, p in prefixes.items()}
 
     def _tree_outcome(self, rids: Sequence[str], out: StepOutput, lens: torch.Tensor
                       ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

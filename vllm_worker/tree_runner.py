@@ -12,7 +12,7 @@ graft's tree attention, `attention_refusal`):
   (`TreeSampler.set_trees`; chains among them are trees too);
 * ``_sample`` (:3437): the target forward is over, so the attention step is cleared (the drafter's
   layers attend as vLLM does), the sampler verifies, and each accepted path's KV moves from the slots
-  of its tree indices to the chain's (`tree_attention.compact`) before anything reads it; the verdict
+  of its tree indices to the chain's (the backend's `compact`) before anything reads it; the verdict
   (verified sizes, the target's top-k at every node) goes to the planner (`ChainStep.verified`), whose
   calibration and successor table then see the whole tree's outcome.
 

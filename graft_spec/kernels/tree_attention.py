@@ -5,17 +5,18 @@ A verify step writes a request's tree nodes (parents first, node 0 the root) as 
 and values, at positions ``ctx .. ctx + q - 1`` of its sequence (``ctx = seq_len - q``); an engine's
 causal kernel lets node j see every node before it. This op recomputes the attention output of the
 tree rows only: key position ``p`` is visible to node j when ``p < ctx`` or ``visible[j, p - ctx]``
-(`graft_spec.tree.ancestor_mask`; a node sees itself). Keys and values are read through the block
-table from vLLM's FlashAttention layout (``[num_blocks, block_size, H_kv, D]`` each, the two halves
-of ``kv_cache.unbind(0)``, v1/attention/backends/flash_attn.py ``get_kv_cache_shape``); grouped-query
-heads share their KV head.
+(`graft_spec.tree.ancestor_mask`; a node sees itself and its root, so no row is fully masked). Keys
+and values are read through the block table as ``[num_blocks, block_size, H_kv, D]`` tensors of any
+strides with a unit stride along D (vLLM 0.33's FlashAttention views
+``kv_cache.transpose(1, 2).split(D, dim=-1)`` of its ``[num_blocks, H_kv, block_size, 2 * D]`` cache,
+v1/attention/backends/flash_attn.py:1244, read in place); grouped-query heads share their KV head.
 
 Both implementations run the same online softmax (FlashAttention's, Dao et al. 2022, Alg. 1) over
 key blocks of `BLOCK_KEYS` positions in float32: per block the scores ``q . k * scale`` (masked keys
 ``-inf``), the running maximum ``m``, ``l = l * exp(m_old - m) + sum(exp(s - m))`` and
 ``acc = acc * exp(m_old - m) + exp(s - m) @ v``, then ``acc / l``. They agree to float32 rounding,
-not bit for bit: the dot products and ``exp`` are the device's (cuBLAS-free Triton ``tl.dot`` and
-``exp`` on a GPU, numpy under ``TRITON_INTERPRET=1``, torch's for the reference).
+not bit for bit: the dot products and ``exp`` are each implementation's own (Triton's ``tl.dot`` in
+IEEE float32 and ``exp`` on a GPU, numpy's under ``TRITON_INTERPRET=1``, torch's for the reference).
 
 `paged_tree_attention` dispatches like every fused op (`registry.fused_op`): the Triton kernel on a
 CUDA device, the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
