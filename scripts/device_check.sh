@@ -7,9 +7,11 @@
 #
 # Writes into $OUT (default ./device_out): device.txt (GPU, torch, Triton), tests.log (the CUDA tests
 # of tests/test_core_graphs.py: StepGraphs replays equal eager builds, many rounds with no eager build
-# in between end in the eager planner state; of tests/test_tree_attention.py: the paged tree attention
-# kernel against its torch reference on random trees at Qwen3-8B's heads, vLLM's cache views) and step_cuda.json / step_cuda.log
-# (scripts/bench_step_cuda.py --forward: kernels and ms per round, replayed vs eager, fused trees vs the
+# in between end in the eager planner state; of tests/test_kernels_cuda.py: every fused op against its
+# reference inside the planner's rounds at N 24 / 60, batch 1 / 64, greedy and sampled rows, the Qwen3
+# vocabulary, and tree sampling at that vocabulary with the same coins; of tests/test_tree_attention.py:
+# the paged tree attention kernel against its reference on random trees at Qwen3-8B's heads) and
+# step_cuda.json / step_cuda.log (scripts/bench_step_cuda.py --forward: kernels and ms per round, replayed vs eager, fused trees vs the
 # torch reference, beside a Qwen3-8B-shaped verify forward and an EAGLE-3 head round).
 # GRAFT_DEVICE_BENCH_ARGS adds arguments to the benchmark (e.g. "--batches 64 --nodes 60").
 set -uo pipefail
@@ -38,7 +40,8 @@ python3 -c "import pydantic" 2>/dev/null || python3 -m pip install --quiet --no-
 # 600 s and a check must leave time to run it again); each step gets at most what is left
 DEADLINE=$((SECONDS + ${GRAFT_DEVICE_BUDGET_S:-330}))
 left() { local l=$((DEADLINE - SECONDS)); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-timeout "$(left 100)" python3 -m pytest -q -p no:cacheprovider tests/test_core_graphs.py tests/test_tree_attention.py 2>&1 | tee "$OUT/tests.log"
+timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider tests/test_core_graphs.py tests/test_kernels_cuda.py \
+  tests/test_tree_attention.py 2>&1 | tee "$OUT/tests.log"
 # shellcheck disable=SC2086
 timeout "$(left 230)" python3 scripts/bench_step_cuda.py --json "$OUT/step_cuda.json" --forward \
   ${GRAFT_DEVICE_BENCH_ARGS:-} 2>&1 | tee "$OUT/step_cuda.log"

@@ -21,7 +21,7 @@ import torch
 from ..numerics.correction import window_update
 from ..numerics.credit import credit_counts, round_metrics
 from ..numerics.rows import append_rows
-from .common import int8_arg
+from .common import int8_arg, row_arg
 from .dispatch import triton
 from .registry import fused_op
 from .views import CalibrationState, Commit, ObserveOptions, Prices, RoundOutcome, Windows
@@ -101,7 +101,7 @@ if triton is not None:
                         gain_ptr, cols_ptr, slot_ptr, comm_ptr, alen_ptr,
                         trials_ptr, hits_ptr, src_ptr, rc_ptr, htok_ptr, hcnt_ptr,
                         sources_ptr, members_ptr, depths_ptr, expected_ptr,
-                        rc_window, N: tl.constexpr, M: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+                        rc_window, on_stride, N: tl.constexpr, M: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                         W: tl.constexpr, L: tl.constexpr, MAXD: tl.constexpr, HAS_GAIN: tl.constexpr,
                         SOURCE_WINDOW: tl.constexpr,
                         RC_ON: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
@@ -117,7 +117,7 @@ if triton is not None:
         c = tl.arange(0, BM)
         live = (i[:, None] < N) & (c[None, :] < M)
         bins = tl.load(bins_ptr + b * N * M + i[:, None] * M + c[None, :], mask=live, other=-1)
-        on = tl.load(on_ptr + b * N + i, mask=i < N, other=0) != 0
+        on = tl.load(on_ptr + b * on_stride + i, mask=i < N, other=0) != 0
         valid = bins >= 0
         hit = valid & on[:, None]
         safe = tl.where(valid, bins, 0)
@@ -222,14 +222,15 @@ def observe_rows_triton(outcome: RoundOutcome, prices: Prices, cal: CalibrationS
     g = gain.shape[1]
     if b > 0:
         p2 = triton.next_power_of_2
+        on, on_stride = row_arg(int8_arg(on_path))   # a [B, N + 1] buffer's first N columns, in place
         _observe_kernel[(b,)](
-            bins.contiguous(), int8_arg(on_path), depth.contiguous(), source.contiguous(),
+            bins.contiguous(), on, depth.contiguous(), source.contiguous(),
             estimates, base, group, scale.contiguous().float(), int8_arg(under),
             gain.contiguous().float() if g > 0 else expected, gain_cols.contiguous(),
             slot_ids.contiguous().to(torch.int64),
             committed.contiguous().to(torch.int64), accept_len.contiguous().to(torch.int64),
             trials, hits, src_recent, rc_recent, hist_tokens, hist_count, sources, members, depths, expected,
-            float(rc_window), N=n, M=m, G=max(g, 1), K=k, W=committed.shape[1], L=hist_tokens.shape[1],
+            float(rc_window), on_stride, N=n, M=m, G=max(g, 1), K=k, W=committed.shape[1], L=hist_tokens.shape[1],
             MAXD=max_depth, HAS_GAIN=g > 0, SOURCE_WINDOW=bool(source_window), RC_ON=rc_window > 0, BN=p2(max(n, 2)),
             BM=p2(max(m, 2)), BD=p2(max_depth + 1), BK=p2(max(k, 2)), BL=p2(max(hist_tokens.shape[1], 2)),
             enable_fp_fusion=False)

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from . import shadow
 from .dispatch import fused_kernels_for
 
 __all__ = ["FusedOp", "fused_op"]
@@ -75,16 +76,21 @@ class FusedOp:
     """
 
     def __init__(self, name: str, reference: Callable, fake: Callable, kernel: Optional[Callable],
-                 mutates: Sequence[str], cpu: Optional[Callable], when: Optional[Callable]):
+                 mutates: Sequence[str], cpu: Optional[Callable], when: Optional[Callable],
+                 approximate: Sequence = ()):
         self.name, self.reference, self.kernel, self._when = name, reference, kernel, when
+        self._approximate = frozenset(str(a) for a in approximate)
         hints = typing.get_type_hints(reference)
         sig = inspect.signature(reference)
         self._params: list[_Param] = []
         flat: list[str] = []
+        self._flat_names: list[str] = []
+        self._mutates = frozenset(mutates)
         mutated = set(mutates)
         alias = [0]
 
         def arg(flat_name: str, tp: str) -> str:
+            self._flat_names.append(flat_name)
             if flat_name in mutated:
                 mutated.discard(flat_name)
                 alias[0] += 1
@@ -162,11 +168,29 @@ class FusedOp:
         return impl
 
     def __call__(self, *args: Any, **kwargs: Any):
-        """The reference's contract: the op where `fused_kernels_for` says so, the reference elsewhere."""
+        """The reference's contract: the op where `fused_kernels_for` says so, the reference elsewhere;
+        inside `shadow.shadow_references`, kernel and reference compared (`shadow`)."""
         first = self._first_tensor(args, kwargs)
-        if first is not None and fused_kernels_for(first) and (self._when is None or self._when(*args, **kwargs)):
+        takes = self._when is None or self._when(*args, **kwargs)
+        log = shadow.active()
+        if log is not None and self.kernel is not None and first is not None and takes:
+            return self._shadow(log, args, kwargs)
+        if first is not None and fused_kernels_for(first) and takes:
             return getattr(torch.ops.graft, self.name)(*self.flatten(*args, **kwargs))
         return self.reference(*args, **kwargs)
+
+    def _shadow(self, log: "shadow.ShadowLog", args: tuple, kwargs: dict):
+        """The kernel's launcher on the call's tensors, the reference on clones of them; what each
+        wrote (the mutated arguments) and returned go to ``log``; the kernel's result is returned."""
+        flat = self.flatten(*args, **kwargs)
+        clones = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat]
+        got = self.kernel(*self.unflatten(flat))
+        want = self.reference(*self.unflatten(clones))
+        pairs = [(str(i), a, b) for i, (a, b) in enumerate(zip(_tensors(got), _tensors(want)))]
+        pairs += [(n, flat[i], clones[i]) for i, n in enumerate(self._flat_names)
+                  if n in self._mutates and isinstance(flat[i], torch.Tensor)]
+        log.compare(self.name, pairs, self._approximate)
+        return got
 
     def _first_tensor(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
         """The first tensor among a call's arguments and their views' fields (the device it runs on)."""
@@ -181,9 +205,18 @@ class FusedOp:
         return None
 
 
+def _tensors(result: Any) -> list:
+    """The tensors an op returned (one, a tuple of them, or none)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [x for x in result if isinstance(x, torch.Tensor)]
+    return []
+
+
 def fused_op(name: str, reference: Callable, fake: Callable, kernel: Optional[Callable] = None,
              mutates: Sequence[str] = (), cpu: Optional[Callable] = None,
-             when: Optional[Callable] = None) -> FusedOp:
+             when: Optional[Callable] = None, approximate: Sequence = ()) -> FusedOp:
     """Register ``graft::<name>`` from ``reference`` (see module docstring).
 
     Args:
@@ -196,9 +229,12 @@ def fused_op(name: str, reference: Callable, fake: Callable, kernel: Optional[Ca
             would alias inputs: an op returns no input); default ``reference``.
         when: a predicate of the call's arguments; where it is False the reference runs (shapes the
             kernel does not take); default always the op.
+        approximate: the outputs the kernel computes within float rounding of the reference, not bit
+            for bit (an index of a returned tensor, or a flat name in ``mutates``), for
+            `shadow.shadow_references`; every other output is compared bit for bit.
     Returns:
         The `FusedOp`; call it with the reference's arguments.
     Raises:
         TypeError: an annotation the schema cannot express; ValueError: ``mutates`` names no argument.
     """
-    return FusedOp(name, reference, fake, kernel, mutates, cpu, when)
+    return FusedOp(name, reference, fake, kernel, mutates, cpu, when, approximate)

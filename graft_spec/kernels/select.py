@@ -629,4 +629,4 @@ def _select_fake(cands: Candidates, opts: SelectOptions, sampled: Optional[torch
 #: ``graft::merge_select``: `merge_select_reference`'s contract, one fused launch on a CUDA device (or
 #: inside `fused_ops_everywhere`), the torch reference elsewhere or with ``GRAFT_REFERENCE_KERNELS=1``.
 merge_select_op = fused_op("merge_select", merge_select_reference, _select_fake,
-                           select_triton if triton is not None else None)
+                           select_triton if triton is not None else None, approximate=(2,))   # logp: the kernel's log

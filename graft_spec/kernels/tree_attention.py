@@ -232,4 +232,5 @@ def _paged_tree_attention_fake(out: torch.Tensor, query: torch.Tensor, cache: Pa
 #: device (or inside `fused_ops_everywhere`), the torch reference elsewhere or with
 #: ``GRAFT_REFERENCE_KERNELS=1``.
 paged_tree_attention = fused_op("paged_tree_attention", paged_tree_attention_reference, _paged_tree_attention_fake,
-                                paged_tree_attention_triton if triton is not None else None, mutates=("out",))
+                                paged_tree_attention_triton if triton is not None else None, mutates=("out",),
+                                approximate=("out",))
