@@ -15,6 +15,8 @@ What it installs:
   `GraftProposer` (a subclass, so the runner's ``isinstance(..., EagleProposer)`` checks
   at :4366, :4836, :6755, :6808 keep passing) before the runner loads its weights. The
   CPU runner subclasses ``GPUModelRunner`` (cpu_model_runner.py:23) and is covered too.
+  Before the swap every vLLM name the plugin hooks is checked to exist (`hooks.check`, the list
+  with each name's file:line in vLLM 0.32 and 0.33).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from . import hooks
 from .config_patch import is_graft, patch_speculative_config, tree_verify_enabled
 
 __all__ = ["register"]
@@ -61,11 +64,12 @@ def _install_graft_drafter(runner) -> None:
         return
     if type(drafter) is not EagleProposer:
         raise RuntimeError(f"graft: expected the runner to build an EagleProposer, got {type(drafter).__name__}")
+    from vllm.platforms import current_platform
+
     trees = tree_verify_enabled()
+    hooks.check(trees, "cpu" if current_platform.is_cpu() else "cuda", runner)   # every hooked name, at startup
     runner.drafter = GraftProposer(runner.vllm_config, runner.device, runner, trees=trees)
     if trees:
-        from vllm.platforms import current_platform
-
         from . import tree_runner
 
         if current_platform.is_cpu():
