@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from graft_spec.pipeline import ancestor_mask
 
-from .tree_step import TreeStep, current_step
+from .tree_step import TreeRowsMixin, TreeStep
 
 __all__ = ["TreeCPUAttentionBackend", "KVLayout", "compact", "register"]
 
@@ -92,28 +92,18 @@ class KVLayout:
         return out[0], out[1]
 
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+class TreeCPUAttentionImpl(TreeRowsMixin, CPUAttentionBackendImpl):
     """vLLM's CPU attention, then tree rows recomputed (module docstring)."""
 
-    #: the mark `tree_runner.attention_refusal` looks for on every attention layer's implementation
-    graft_tree = True
     _layout: Optional[KVLayout] = None
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                              output_block_scale)
-        step = current_step()
-        if step is None or attn_metadata is None or not step.rows:
-            return out
-        self._check()
+    def _tree_rows(self, step: TreeStep, layer, query, kv_cache, attn_metadata, output) -> None:
         if self._layout is None:
             self._layout = KVLayout(self, layer, kv_cache)
         qsl = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
         bs = self._layout.block_size
         o = output.view(output.shape[0], self.num_heads, self.head_size)
-        step.layers.append((layer, self, kv_cache))
         for i, parents in step.rows.items():
             start, q = qsl[i], qsl[i + 1] - qsl[i]
             if q != parents.shape[0]:
@@ -133,7 +123,6 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             vv = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
             att = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=visible, scale=self.scale)
             o[start:start + q] = att.transpose(0, 1).to(o.dtype)
-        return out
 
     def _check(self) -> None:
         why = [name for name, bad in (("quantized KV cache", self.is_fp8_kv_cache),

@@ -34,7 +34,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from graft_spec.kernels.tree_attention import PagedCache, TreeRows, paged_tree_attention
 from graft_spec.pipeline import ancestor_mask
 
-from .tree_step import TreeStep, current_step
+from .tree_step import TreeRowsMixin, TreeStep
 
 __all__ = ["TreeFlashAttentionBackend", "TreeFlashAttentionImpl", "FlashLayout", "device_rows", "compact", "register"]
 
@@ -77,21 +77,12 @@ def device_rows(step: TreeStep, num_reqs: int, device: torch.device) -> TreeRows
     return out
 
 
-class TreeFlashAttentionImpl(FlashAttentionImpl):
+class TreeFlashAttentionImpl(TreeRowsMixin, FlashAttentionImpl):
     """vLLM's FlashAttention, then the tree rows recomputed (module docstring)."""
 
-    #: the mark `tree_runner.attention_refusal` looks for on every attention layer's implementation
-    graft_tree = True
     _layout: Optional[FlashLayout] = None
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                              output_block_scale)
-        step = current_step()
-        if step is None or attn_metadata is None or not step.rows:
-            return out
-        self._check()
+    def _tree_rows(self, step: TreeStep, layer, query, kv_cache, attn_metadata, output) -> None:
         if self._layout is None:
             self._layout = FlashLayout(self.head_size)
         if not step.slots:
@@ -105,8 +96,6 @@ class TreeFlashAttentionImpl(FlashAttentionImpl):
                              query[:n].view(n, self.num_heads, self.head_size),
                              PagedCache(key_cache, value_cache, attn_metadata.block_table, attn_metadata.seq_lens),
                              trees, self.scale)
-        step.layers.append((layer, self, kv_cache))
-        return out
 
     def _check(self) -> None:
         why = [name for name, bad in (("a quantized KV cache", str(self.kv_cache_dtype) != "auto"),

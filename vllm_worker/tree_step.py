@@ -1,12 +1,13 @@
 """`TreeStep`: the trees of the verify step being run, shared by the runner (tree_runner.py) and the
-tree attention backends (tree_attention.py on CPU, tree_attention_gpu.py on CUDA). No vLLM import."""
+tree attention backends (tree_attention.py on CPU, tree_attention_gpu.py on CUDA), and the backends'
+common ``forward`` (`TreeRowsMixin`). No vLLM import."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["TreeStep", "set_step", "current_step"]
+__all__ = ["TreeStep", "TreeRowsMixin", "set_step", "current_step"]
 
 
 @dataclass
@@ -48,3 +49,25 @@ def current_step() -> Optional[TreeStep]:
     return _STEP
 
 
+
+
+class TreeRowsMixin:
+    """``forward`` of a tree attention implementation: the vLLM implementation it is mixed into runs
+    unchanged, then, when a step's trees are set (`set_step`) and the batch has metadata, the
+    subclass's ``_check`` refuses what it does not implement and ``_tree_rows`` recomputes the tree
+    rows into ``output`` (and records the layer in ``step.layers`` for the compaction)."""
+
+    #: the mark `tree_runner.attention_refusal` looks for on every attention layer's implementation
+    graft_tree = True
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                              output_block_scale)
+        step = current_step()
+        if step is None or attn_metadata is None or not step.rows:
+            return out
+        self._check()
+        self._tree_rows(step, layer, query, kv_cache, attn_metadata, output)
+        step.layers.append((layer, self, kv_cache))
+        return out

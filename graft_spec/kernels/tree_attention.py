@@ -85,15 +85,11 @@ def paged_tree_attention_reference(out: torch.Tensor, query: torch.Tensor, cache
     Raises:
         ValueError: the shapes disagree.
     """
-    _check(out, query, cache, trees)
-    key_cache, value_cache, block_table, seq_lens = cache
-    rows, req, visible, tree_lens = trees
-    r = rows.shape[0]
+    r, hq, d, bs, hkv, rep = _shapes(out, query, cache, trees)
     if r == 0:
         return
-    hq, d = query.shape[1], query.shape[2]
-    bs, hkv = key_cache.shape[1], key_cache.shape[2]
-    rep = hq // hkv
+    key_cache, value_cache, block_table, seq_lens = cache
+    rows, req, visible, tree_lens = trees
     dev = query.device
     req = req.to(torch.int64)
     lens = seq_lens.to(dev, torch.int64)[req]                                      # [R]
@@ -123,6 +119,14 @@ def paged_tree_attention_reference(out: torch.Tensor, query: torch.Tensor, cache
         acc = acc * alpha[..., None] + torch.einsum("rhqk,rkhd->rhqd", p, v)
         m = m_new
     out[rows] = (acc / l_sum[..., None]).reshape(r, hq, d).to(out.dtype)
+
+
+def _shapes(out: torch.Tensor, query: torch.Tensor, cache: PagedCache, trees: TreeRows) -> tuple:
+    """``(R nodes, H_q, D, block_size, H_kv, H_q / H_kv)`` of a checked call (`_check`)."""
+    _check(out, query, cache, trees)
+    hq, d = query.shape[1], query.shape[2]
+    bs, hkv = cache.key_cache.shape[1], cache.key_cache.shape[2]
+    return trees.rows.shape[0], hq, d, bs, hkv, hq // hkv
 
 
 def _check(out: torch.Tensor, query: torch.Tensor, cache: PagedCache, trees: TreeRows) -> None:
@@ -205,15 +209,11 @@ def paged_tree_attention_triton(out: torch.Tensor, query: torch.Tensor, cache: P
     """
     if triton is None:
         raise RuntimeError("graft paged_tree_attention: Triton is not installed")
-    _check(out, query, cache, trees)
-    key_cache, value_cache, block_table, seq_lens = cache
-    rows, req, visible, tree_lens = trees
-    r = rows.shape[0]
+    r, hq, d, bs, hkv, rep = _shapes(out, query, cache, trees)
     if r == 0:
         return
-    hq, d = query.shape[1], query.shape[2]
-    bs, hkv = key_cache.shape[1], key_cache.shape[2]
-    rep = hq // hkv
+    key_cache, value_cache, block_table, seq_lens = cache
+    rows, req, visible, tree_lens = trees
     vis = visible if visible.dtype == torch.bool and visible.is_contiguous() else visible.contiguous().bool()
     d_pad = max(16, triton.next_power_of_2(d))
     _tree_attention_kernel[(r, hkv)](
