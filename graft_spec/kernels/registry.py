@@ -171,11 +171,11 @@ class FusedOp:
         """The reference's contract: the op where `fused_kernels_for` says so, the reference elsewhere;
         inside `shadow.shadow_references`, kernel and reference compared (`shadow`)."""
         first = self._first_tensor(args, kwargs)
-        takes = self._when is None or self._when(*args, **kwargs)
         log = shadow.active()
-        if log is not None and self.kernel is not None and first is not None and takes:
-            return self._shadow(log, args, kwargs)
-        if first is not None and fused_kernels_for(first) and takes:
+        fused = first is not None and (fused_kernels_for(first) or (log is not None and self.kernel is not None))
+        if fused and (self._when is None or self._when(*args, **kwargs)):
+            if log is not None and self.kernel is not None:
+                return self._shadow(log, args, kwargs)
             return getattr(torch.ops.graft, self.name)(*self.flatten(*args, **kwargs))
         return self.reference(*args, **kwargs)
 
