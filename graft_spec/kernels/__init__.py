@@ -1,4 +1,5 @@
-"""Fused device kernels of the graft step, each beside the torch reference it must equal bit for bit.
+"""Fused device kernels of the graft step, each beside the torch reference it must equal (bit for bit,
+or within float rounding for the outputs an op declares approximate).
 
 One file per op: its torch reference, its Triton kernel, its launcher and one registration
 (`registry.fused_op`: a torch custom op whose schema is derived from the reference, the named views
@@ -12,9 +13,12 @@ per-request correction), `successor_part`, `chain_part` (lookup and output index
 (the host proposals, re-anchored), `stack_candidates`, `merge_select_op` (select.py), `tree_layout`
 (layout.py). After verify (`GraftPlanner.observe`): `observe_rows`, `successor_update`,
 `refresh_table`. Verify of sampled requests: `tree_sample` (target-only tree rejection sampling).
+Engines without tree attention (vLLM): `paged_tree_attention` (tree_attention.py), the tree rows'
+attention over a paged KV cache.
 
 Tests: every kernel against its reference under ``TRITON_INTERPRET=1`` on CPU tensors
-(tests/interpret/, run by tests/test_kernels.py in a subprocess). Switch:
+(tests/interpret/, run by tests/test_kernels.py in a subprocess), op by op and inside the planner's
+rounds (`shadow.shadow_references`, which the GPU check also runs on a device). Switch:
 ``GRAFT_REFERENCE_KERNELS=1`` makes every call take the torch reference on every device.
 """
 
