@@ -71,7 +71,7 @@ from .numerics.bins import DEPTH_EDGES, LOGP_EDGES, MATCH_EDGES, draft_bin_ids, 
 from .numerics.correction import apply_correction, linear_correction
 from .numerics.credit import credit_counts, round_metrics
 from .numerics.fixed import FIXED_ONE, from_fixed, to_fixed
-from .sources import NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_NAMES, SOURCE_SUCCESSOR
+from .sources import NUM_MEMBERS, RETRIEVAL_SOURCES, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_SUCCESSOR
 
 __all__ = [
     "PRIOR_WEIGHT", "HALVE_AT", "LOGP_EDGES", "DEPTH_EDGES", "MATCH_EDGES", "FIXED_ONE", "BinLayout", "Calibrator",
@@ -148,7 +148,9 @@ class BinLayout:
 
 
 class Calibrator:
-    """Device tables of hits / trials per bin, their estimates, and calibration metrics.
+    """Device tables of hits / trials per bin and their estimates. The round metrics (estimated vs
+    observed acceptance per member source and depth) are returned per round (`update`,
+    `GraftPlanner.observe`'s `RoundStats`) and accumulated on the host (`graft_spec.stats.GraftStats`).
 
     Args:
         layout: the `BinLayout`.
@@ -161,9 +163,6 @@ class Calibrator:
     Attributes:
         hits, trials: ``float32[size + 1]`` (last entry: dump bin).
         prior: ``float32[size + 1]``.
-        member_stats: ``float64[NUM_MEMBERS, 3]`` cumulative (trials, sum of estimates, hits) of
-            verified nodes per member source: mean estimated vs observed acceptance.
-        depth_stats: ``float64[max_depth + 1, 2]`` cumulative (trials, hits) per node depth.
         recent: ``int64[2 * NUM_MEMBERS + 1, 3]`` the source correction's window (trials, sum of
             bin estimates, hits) per (mode, member), fixed point (`FIXED_ONE`); last row: dump.
         table: ``float32[size + 1]`` the estimate table every build prices with (`refresh`).
@@ -216,8 +215,6 @@ class Calibrator:
         n = layout.size + 1
         self.hits = torch.zeros(n, device=self.device)
         self.trials = torch.zeros(n, device=self.device)
-        self.member_stats = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64, device=self.device)
-        self.depth_stats = torch.zeros(max_depth + 1, 2, dtype=torch.float64, device=self.device)
         self._group = self._source_groups()
         self.recent = torch.zeros(2 * NUM_MEMBERS + 1, 3, dtype=torch.int64, device=self.device)
         # persistent tables, written in place by `refresh` (a captured build reads them at fixed
@@ -341,37 +338,18 @@ class Calibrator:
                 (`RequestCorrection.factors`: ``(float32[B, NUM_MEMBERS], bool[B, NUM_MEMBERS])``),
                 or None; only the metrics use it (the bins learn from their own counts).
         Returns:
-            This round's metric increments (device tensors, also added to `member_stats` /
-            `depth_stats`): ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) and
+            This round's metrics (device tensors, `round_metrics` summed over the rows):
+            ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) and
             ``float64[max_depth + 1, 2]`` (verified, accepted nodes per depth; row 0 unused).
         """
         credit_counts(self.trials, self.hits, self.recent if self.source_window > 0 else None, self._group,
                       self._base, bins, on_path)
         scale, under = factors if factors is not None else self.identity(bins.shape[0])
         members, depths = round_metrics(bins, on_path, depth, estimates, scale, under, self.max_depth)
-        return self.add_metrics(members, depths)
+        return members.sum(0), depths.sum(0)
 
     def identity(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The identity per-request correction of ``rows`` rows: ``(ones float32[rows, NUM_MEMBERS],
         zeros bool[rows, NUM_MEMBERS])``."""
         return (torch.ones(rows, NUM_MEMBERS, device=self.device),
                 torch.zeros(rows, NUM_MEMBERS, dtype=torch.bool, device=self.device))
-
-    def add_metrics(self, row_members: torch.Tensor, row_depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add per-row metrics (`round_metrics`) to `member_stats` / `depth_stats`; returns their
-        sums over the rows (exact: fixed-point and integer values)."""
-        members, depths = row_members.sum(0), row_depths.sum(0)
-        self.member_stats += members
-        self.depth_stats += depths
-        return members, depths
-
-    def summary(self) -> dict:
-        """Host copy of the metrics (one device read; call it off the decode path, e.g. from a stats
-        endpoint): per member source ``{trials, estimated, observed}`` and per depth
-        ``{trials, observed}``."""
-        ms = self.member_stats.cpu().tolist()
-        ds = self.depth_stats.cpu().tolist()
-        members = {name: {"trials": int(t), "estimated": (e / t if t else None), "observed": (h / t if t else None)}
-                   for name, (t, e, h) in zip(SOURCE_NAMES[:NUM_MEMBERS], ms)}
-        depths = {d: {"trials": int(t), "observed": h / t} for d, (t, h) in enumerate(ds) if t > 0}
-        return {"members": members, "depths": depths}

@@ -11,9 +11,11 @@ round replays the smallest bucket that holds the batch after its inputs are in t
 (`DenseDraft`, which the step reads as it is), is written there by the engine in place: every
 bucket reads the first rows of one draft buffer, the caller's own when it passes ``draft_buffer``
 (the SGLang worker passes the buffers its draft calls write), and a round's draft that already
-lies there is not copied; the other inputs (the host proposals as the one block they were uploaded
-in, roots, slots, lengths, sampled rows) are copied in. The outputs are views of the first ``B``
-rows of the graph's own output buffers, not copies: they stay valid until the next `build` (graphs
+lies there is not copied. The host proposals are uploaded into the graphs' one input block the
+same way (`host_destination`, which `GraftPlanner.host_candidates` passes to the upload); roots,
+slots, lengths and sampled rows, the engine's own per-batch tensors, are copied in. The outputs
+are views of the first ``B`` rows of the graph's own output buffers, not copies: they stay valid
+until the next `build` (graphs
 share one memory pool, so a later replay may reuse them), which on a stream comes after everything
 the round enqueued on them (verify, observe). The planner's tables (calibration counts,
 successor table, token history, per-request correction windows) are read inside the graph at their
@@ -214,6 +216,10 @@ class StepGraphs:
             raise ValueError(f"StepGraphs: draft_buffer of shape {tuple(d.tokens.shape)} (topk {d.topk}, steps "
                              f"{d.steps}) does not hold {self.buckets[-1]} rows of {self.draft_width} candidates "
                              f"(topk {self.topk}, steps {self.steps})")
+        # the host proposals' packed block: every bucket reads its first rows, the upload writes them
+        self.host_block = torch.zeros(self.buckets[-1], 5, planner.buffer.width + 1, dtype=torch.int64,
+                                      device=planner.device)
+        HostCandidates.empty(self.buckets[-1], planner.buffer.width, planner.device).pack_into(self.host_block)
         self.observe_graphs = bool(observe)
         self._static: Dict[int, _Static] = {}
         self._graphs: Dict[Tuple[int, int], Tuple[Replayable, StepOutput]] = {}
@@ -243,12 +249,10 @@ class StepGraphs:
 
     def _make_static(self, bucket: int) -> _Static:
         dev = self.planner.device
-        m = self.planner.buffer.width
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         d = self.draft_buffer
         draft = DenseDraft(d.scores[:bucket], d.tokens[:bucket], d.parent_list[:bucket], self.topk, self.steps)
-        host_block = z(bucket, 5, m + 1)
-        HostCandidates.empty(bucket, m, dev).pack_into(host_block)
+        host_block = self.host_block[:bucket]
         slots = torch.arange(bucket, device=dev).clamp(max=self.planner.history.tokens.shape[0] - 1)
         sampled = torch.zeros(bucket, dtype=torch.bool, device=dev)
         return _Static(draft, z(bucket), host_block, slots, z(bucket), sampled)
@@ -308,6 +312,14 @@ class StepGraphs:
                     ograph, stats = recorder.record(lambda: self._observe_call(st, ost, out))
                     self._observes[(bucket, width)] = (ograph, ost, stats)
 
+    def host_destination(self, b: int) -> Optional[torch.Tensor]:
+        """``int64[b, 5, M + 1]``: where a round of ``b`` rows uploads its host proposals so that a
+        replay reads them in place (the first rows of the graphs' input block), or None when no
+        graph was captured or ``b`` exceeds the largest bucket (the round builds eagerly)."""
+        if not self._graphs or b > self.buckets[-1]:
+            return None
+        return self.host_block[:b]
+
     def warm_up(self) -> None:
         """Run every (bucket, width) build once eagerly on the static inputs (compiles the fused
         kernels at start-up where graphs are off; any compile error is raised here)."""
@@ -359,5 +371,5 @@ class StepGraphs:
         _copy(self._static[bucket].slots[:b], slot_ids)
         graph.replay()
         self.observe_replays += 1
-        return replace(stats, sources=stats.sources[:b],
+        return replace(stats, sources=stats.sources[:b], members=stats.members[:b], depths=stats.depths[:b],
                        expected=None if stats.expected is None else stats.expected[:b])

@@ -68,10 +68,11 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
             every width up to ``gain_nodes`` from the same candidates (the batch budget, budget.py).
         sampled: ``bool[B]`` rows verified by sampling (None: all greedy); with
             ``policy.exclusive_siblings == "greedy"`` only the other rows get `sibling_caps`.
-        agreement: ``(offset, estimates[, rows])``: the agreement bin of a node is its draft bin +
-            ``offset`` (``BinLayout.offset(SOURCE_AGREE)``), priced from the ``float32`` table
-            ``estimates`` (`Calibrator.table`), on the rows of ``bool[B]`` ``rows`` (None or
-            absent: every row); None and the other rows: agreement nodes are priced by their best
+        agreement: ``(offset, estimates[, rows[, invert]])``: the agreement bin of a node is its draft
+            bin + ``offset`` (``BinLayout.offset(SOURCE_AGREE)``), priced from the ``float32`` table
+            ``estimates`` (`Calibrator.table`), on the rows where ``bool[B]`` ``rows`` is not
+            ``invert`` (default False; ``rows`` None or absent: every row); None and the other rows:
+            agreement nodes are priced by their best
             member and credit the draft bin (calibration.py).
     Returns:
         ``(tree, member_bins, gain)``: ``gain`` ``float32[B, gain_nodes - 1]``, ``gain[:, k]`` = sum
@@ -89,7 +90,7 @@ def merge_select(cands: Candidates, num_nodes: int, policy: Optional[GraftPolicy
     agree = None
     if agreement is not None:
         offset, table, *rest = agreement
-        agree = Agreement(int(offset), table, rest[0] if rest else None)
+        agree = Agreement(int(offset), table, rest[0] if rest else None, bool(rest[1]) if len(rest) > 1 else False)
     opts = SelectOptions(num_nodes, gain_nodes or num_nodes, float(policy.min_score), policy.root_width,
                          policy.exclusive_siblings)
     tokens, parents, logp, source, member_bins, gain = merge_select_op(cands, opts, sampled, agree)

@@ -136,8 +136,9 @@ class RoundStats:
     Attributes:
         sources: ``int64[B, N - 1]`` the source (graft_spec/sources.py) of each accepted non-root node in path
             order, -1 after the path.
-        members: ``float64[NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) per member source.
-        depths: ``float64[D + 1, 2]`` (verified, accepted) nodes per depth (row 0 unused).
+        members: ``float64[B, NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) per row and member
+            source (the host sums the rows: no device op, `graft_spec.stats.GraftStats.record_round`).
+        depths: ``float64[B, D + 1, 2]`` (verified, accepted) nodes per row and depth (row 0 unused).
         expected: ``float32[B, W]`` expected accept length (bonus included) of a tree of each of the
             config's verify widths (``GraftConfig.verify_widths``) from this round's candidates, and
             of the tree actually verified in the last column (the batch budget, budget.py); None
@@ -436,11 +437,6 @@ class GraftPlanner:
         extra = [x for x in (self.successor, self.outputs) if x is not None]
         return list(self.retriever.sources) + extra
 
-    def calibration_summary(self) -> dict:
-        """Per source ``{trials, estimated, observed}`` and per depth ``{trials, observed}`` of every
-        verified round so far (`Calibrator.summary`: one device read; call it off the decode path)."""
-        return self.calibrator.summary()
-
     def memory_bytes(self) -> int:
         """Approximate bytes held by the retrieval sources (host) and the successor table (device)."""
         return (self.retriever.memory_bytes() + (self.successor.memory_bytes() if self.successor else 0)
@@ -460,7 +456,7 @@ class GraftPlanner:
         for row, rid in enumerate(req_ids):
             self.retriever.fill(self.buffer, row, rid, self.seen(rid), self.group_of(rid),
                                 True if speculate is None else bool(speculate[row]))
-        return self.buffer.upload(b)
+        return self.buffer.upload(b, self._host_destination(b))
 
     def no_host_candidates(self, req_ids: Sequence[Hashable], speculate: Optional[Sequence[bool]] = None
                            ) -> HostCandidates:
@@ -471,7 +467,12 @@ class GraftPlanner:
         self.buffer.ensure(b)
         for row, rid in enumerate(req_ids):
             self.buffer.clear(row, self.seen(rid), PRIVATE_GROUP, True if speculate is None else bool(speculate[row]))
-        return self.buffer.upload(b)
+        return self.buffer.upload(b, self._host_destination(b))
+
+    def _host_destination(self, b: int) -> Optional[torch.Tensor]:
+        """Where a batch of ``b`` rows' host proposals are uploaded: the captured step's input block
+        (`StepGraphs.host_destination`: a replay reads them there, no copy), else None (a new tensor)."""
+        return self.graphs.host_destination(b) if self.graphs is not None else None
 
     def build(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, host: HostCandidates,
               slot_ids: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor, num_nodes: Optional[int] = None,
@@ -701,13 +702,12 @@ class GraftPlanner:
             RoundOutcome(out.member_bins, on_path, out.depth, tree.source), Prices(out.estimates, scale, under),
             cal.state_view, gain, cols, Commit(slot_ids, committed, accept_len), rc.recent, self.history.windows,
             ObserveOptions(cal.source_window > 0, rc.window, cal.max_depth))
-        members, depths = cal.add_metrics(row_members, row_depths)
         if self.successor is not None and target_topk is not None:
             groups = out.groups if out.groups is not None else torch.zeros_like(tree.tokens[:, 0])
-            self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1),
-                                  tree.source != SOURCE_PADDING, groups[:, None].expand_as(tree.tokens))
+            self.successor.update(tree.tokens, target_topk.reshape(tree.tokens.numel(), -1), tree.source, groups,
+                                  invalid=SOURCE_PADDING)
         cal.refresh()
-        return RoundStats(sources, members, depths, expected if out.gain is not None else None)
+        return RoundStats(sources, row_members, row_depths, expected if out.gain is not None else None)
 
     def _gain_columns(self, gain_len: int, width: int) -> torch.Tensor:
         """The gain curve's column for each of the config's verify widths and the verified width

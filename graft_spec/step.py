@@ -49,7 +49,7 @@ from .retrieval.buffer import HostCandidates
 from .retrieval.output_ring import OutputRing
 from .retrieval.successor import SuccessorTable
 from .kernels.successor import PRIVATE_GROUP
-from .numerics.rows import mode_rows
+from .numerics.rows import mode_selector
 from .sources import NUM_MEMBERS, SOURCE_AGREE, SOURCE_DRAFT, SOURCE_OUTPUTS, SOURCE_PADDING, SOURCE_SUCCESSOR
 from .tree import DraftTree, node_depths
 
@@ -79,10 +79,14 @@ def dense_draft_candidates(scores: torch.Tensor, tokens: torch.Tensor, parent_li
     return DraftCandidates(tokens.to(torch.int64), parents, dense_logq(scores), depth)
 
 
+#: 0 as a CPU scalar tensor: an operand of device ops without a device copy (TensorIterator's CPU scalars)
+_ZERO = torch.zeros(())
+
+
 def dense_logq(scores: torch.Tensor) -> torch.Tensor:
     """``float32[B, S]`` log of the dense tree's cumulative draft probabilities (``float[B, S]``;
-    negative and NaN scores give -inf: not drafted)."""
-    return torch.nan_to_num(torch.log(scores.float().clamp(min=0)), nan=-math.inf)
+    zero, negative and NaN scores give -inf: not drafted). Two ops (``fmax`` drops NaN)."""
+    return torch.fmax(scores.float(), _ZERO).log()
 
 
 @dataclass
@@ -278,6 +282,9 @@ class GraftStep:
         self.stages = PruneStages.build(config.checkpoints, self.device) if config.checkpoints else None
         #: the retrieval sources, in tree order (device_sources.py)
         self.sources = device_sources(config, calibrator, successor, outputs)
+        #: the rooted block's member row (`SOURCE_DRAFT`, at most N columns), broadcast over the batch
+        #: (no op per round)
+        self.draft_member = torch.full((1, self.pool), SOURCE_DRAFT, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ parts
     def _draft_part(self, draft: "DraftCandidates | DenseDraft", roots: torch.Tensor, sampled: torch.Tensor,
@@ -290,7 +297,7 @@ class GraftStep:
         else:
             out = draft_part(draft, *rest)
         tokens, parents, est_n, valid_n, bins_n, logq_n = out
-        member = torch.full_like(tokens, SOURCE_DRAFT)
+        member = self.draft_member[:, : tokens.shape[1]].expand_as(tokens)   # 1 + min(N - 1, S) columns
         if self.stages is None:
             return Candidates(tokens, parents, est_n, valid_n, bins_n, member)
         # paper mode: kept draft nodes always in, pruned ones refill after retrieval
@@ -363,7 +370,7 @@ class GraftStep:
         tree, member_bins, gain = merge_select(
             cands, self.n, self.config.graft, gain_nodes=self.pool, sampled=sampled,
             agreement=((self.calibrator.layout.offset(SOURCE_AGREE), est_table,
-                        mode_rows(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
+                        *mode_selector(self.config.agreement_modes, sampled)) if self.config.agreement_bins else None))
         depth, positions, mask, first, nxt = tree_layout(tree, seq_lens)
         return StepOutput(tree, member_bins, depth, positions, mask, first, nxt, est_table, host.group, gain,
                           factors)

@@ -186,10 +186,12 @@ def step_ops(bench: Bench) -> str:
                      f"{g['host_us_per_round'] / 1e3:.2f}",
                      "-" if gate is None else f"{gate['ops_per_round']:.0f}",
                      "-" if gate is None else f"{gate['host_us_per_round'] / 1e3:.2f}",
-                     f"{e['ops_per_round']:.0f}", f"{e['host_us_per_round'] / 1e3:.2f}"])
+                     f"{e['ops_per_round']:.0f}", f"{e['host_us_per_round'] / 1e3:.2f}",
+                     "-" if fused is None or fused.get("observe_ops_per_round") is None
+                     else f"{(fused['ops_per_round'] + fused['observe_ops_per_round']) / e['ops_per_round']:.2f}"])
     return _md(["N", "batch", "graft build ops", "fused build ops", "observe ops", "fused observe ops", "syncs", "build ms",
                 "eager gated round ops",
-                "eager gated ms", "EAGLE ops", "EAGLE ms"], rows)
+                "eager gated ms", "EAGLE ops", "EAGLE ms", "fused build + observe / EAGLE"], rows)
 
 
 def step_build_ops(bench: Bench) -> str:

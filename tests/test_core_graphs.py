@@ -135,6 +135,32 @@ def test_a_draft_written_in_place_is_not_copied():
     with pytest.raises(ValueError, match="draft_buffer"):
         StepGraphs(planner, TOPK, STEPS, buckets=[4, 32], draft_buffer=buffer)
 
+def test_host_proposals_uploaded_into_the_input_block_are_not_copied():
+    """After a capture the planner uploads a round's host proposals into the graphs' one input block
+    (`StepGraphs.host_destination`), so a replay's load copies only roots, slots, lengths and
+    sampled rows; the replayed tree equals the eager build of the same proposals."""
+    planner = _planner("cpu")
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4, 16], widths=[12])
+    assert graphs.host_destination(3) is None                     # nothing captured yet: a new tensor
+    graphs.capture(FxRecorder())
+    planner.graphs = graphs
+    draft, roots, _, slots, seq_lens, sampled = _inputs(3, 4, "cpu", planner.buffer.width)
+    rids = ["a", "b", "c"]
+    for rid in rids:                                              # a repeating prompt: the suffix index matches
+        planner.start_request(rid, [5, 6, 7, 8] * 6)
+    host = planner.host_candidates(rids)
+    assert host.packed.data_ptr() == graphs.host_block.data_ptr() and host.packed.shape[0] == 3
+    assert (host.member >= 0).any()                               # the rows carry proposals
+    st4 = graphs._static[4]
+    with OpCounter() as load:
+        st4.load(draft, roots, host, slots, seq_lens, sampled)
+    assert load.ops == 3 + 4                                      # draft, roots / slots / lengths / sampled
+    want = planner.build_eager(draft, roots, host, slots, seq_lens, sampled, num_nodes=12)
+    got = planner.build(draft, roots, host, slots, seq_lens, sampled, num_nodes=12)
+    assert graphs.replays == 1 and _same(got, want)
+    assert graphs.host_destination(17) is None                    # above the largest bucket: eager
+
+
 @cuda
 def test_replay_equals_eager_for_padded_batches_and_updated_tables():
     planner = _planner("cuda")
@@ -184,16 +210,16 @@ def _verify(out: StepOutput, vocab: int, gen: torch.Generator):
 def _state(planner: GraftPlanner) -> dict:
     cal = planner.calibrator
     return {"hits": cal.hits, "trials": cal.trials, "recent": cal.recent, "table": cal.table,
-            "member_stats": cal.member_stats, "depth_stats": cal.depth_stats,
             "request": planner.request_correction.recent, "successor": planner.successor.table,
             "history": planner.history.tokens, "count": planner.history.count}
 
 
-def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, vocab: int) -> list:
+def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, vocab: int) -> tuple:
     """``rounds`` verified rounds: inputs from a fixed seed, ``build`` (eager or replayed), the
-    stand-in verify, ``observe``; returns each round's trees (as CPU tensors)."""
+    stand-in verify, ``observe``; returns each round's trees and the rounds' metrics summed over
+    rows and rounds (`RoundStats` members, depths; CPU tensors)."""
     gen = torch.Generator().manual_seed(7)
-    trees = []
+    trees, metrics = [], 0
     roots = None
     for rnd in range(rounds):
         draft, r, host, slots, seq_lens, sampled = _inputs(b, 100 + rnd, device, planner.buffer.width)
@@ -204,9 +230,11 @@ def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, 
         out = build(draft, roots, host, slots, seq_lens, sampled)
         trees.append(torch.stack([out.tree.tokens, out.tree.parents, out.tree.source]).cpu())
         on_path, topk, committed, accept_len = _verify(out, vocab, gen)
-        planner.observe(out, on_path, topk, committed, accept_len, slots)
+        stats = planner.observe(out, on_path, topk, committed, accept_len, slots)
+        assert stats.members.shape[0] == stats.depths.shape[0] == b          # per row, padding rows cut
+        metrics = metrics + torch.cat([stats.members.sum(0).reshape(-1), stats.depths.sum(0).reshape(-1)]).cpu()
         roots = committed.gather(1, (accept_len - 1)[:, None])[:, 0]
-    return trees
+    return trees, metrics
 
 
 def _leaves(obj) -> list:
@@ -266,12 +294,15 @@ def test_captured_round_replays_many_rounds_like_eager(width, observe):
     for bit."""
     vocab, b, rounds = 50, 4, 12
     eager, captured = _planner("cpu"), _planner("cpu")
-    eager_trees = _run_rounds(eager, lambda *a: eager.build(*a, num_nodes=width), rounds, b, "cpu", vocab)
+    eager_trees, eager_metrics = _run_rounds(eager, lambda *a: eager.build(*a, num_nodes=width), rounds, b, "cpu",
+                                             vocab)
     graphs = StepGraphs(captured, TOPK, STEPS, buckets=[6], widths=[width], observe=observe)
     graphs.capture(FxRecorder())
     captured.graphs = graphs
     assert captured.dump_slot == 32 and captured.slot_capacity == 32
-    replay_trees = _run_rounds(captured, lambda *a: captured.build(*a, num_nodes=width), rounds, b, "cpu", vocab)
+    replay_trees, replay_metrics = _run_rounds(captured, lambda *a: captured.build(*a, num_nodes=width), rounds, b,
+                                               "cpu", vocab)
+    assert eager_metrics[0] > 0 and torch.equal(eager_metrics, replay_metrics), "round metrics differ"
     assert graphs.replays == rounds and graphs.eager == 0
     assert (graphs.observe_replays, graphs.observe_eager) == ((rounds, 0) if observe else (0, rounds))
     for rnd, (x, y) in enumerate(zip(eager_trees, replay_trees)):
@@ -313,8 +344,9 @@ def test_graph_replays_many_rounds_like_eager_on_cuda():
     graphs.capture()
     captured.graphs = graphs
     assert graphs.observes_captured == graphs.captured == 2
-    eager_trees = _run_rounds(eager, lambda *a: eager.build(*a), rounds, b, "cuda", vocab)
-    replay_trees = _run_rounds(captured, lambda *a: captured.build(*a), rounds, b, "cuda", vocab)
+    eager_trees, eager_metrics = _run_rounds(eager, lambda *a: eager.build(*a), rounds, b, "cuda", vocab)
+    replay_trees, replay_metrics = _run_rounds(captured, lambda *a: captured.build(*a), rounds, b, "cuda", vocab)
+    assert torch.allclose(eager_metrics, replay_metrics)
     assert graphs.replays == graphs.observe_replays == rounds and graphs.eager == graphs.observe_eager == 0
     for x, y in zip(eager_trees, replay_trees):
         assert torch.equal(x, y)

@@ -146,6 +146,23 @@ def _outputs_planner(outputs):
     return planner, args
 
 
+@pytest.mark.parametrize("modes", [(True, True), (True, False), (False, True)])
+def test_mode_selector_picks_the_rows_of_mode_rows(modes):
+    """The step's op-free form of a mode mask: rows where ``rows`` is not ``invert``."""
+    from graft_spec.numerics.rows import mode_rows, mode_selector
+
+    sampled = torch.tensor([True, False, False, True, False])
+    rows, invert = mode_selector(modes, sampled)
+    want = mode_rows(modes, sampled)
+    if want is None:
+        assert rows is None
+    else:
+        assert torch.equal(rows != invert, want)
+        assert rows is sampled                                  # no op: the sampled mask as it is
+    with pytest.raises(ValueError):
+        mode_selector((False, False), sampled)
+
+
 @pytest.mark.parametrize("outputs", ["greedy", "on"])
 def test_output_index_candidates_go_to_the_rows_of_its_mode(outputs):
     """``retrieval.outputs: greedy`` (default): the output index proposes to greedy rows only, and
@@ -230,6 +247,7 @@ def test_calibration_settles_on_observed_rates():
     rng = torch.Generator().manual_seed(0)
     d1 = cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-0.2]]), torch.zeros(1, dtype=torch.bool))
     bin1 = int(d1)
+    totals = torch.zeros(NUM_MEMBERS, 3, dtype=torch.float64)
     for _ in range(300):
         est = cal.refresh()
         bins = torch.full((b, n, NUM_MEMBERS), -1)
@@ -237,10 +255,10 @@ def test_calibration_settles_on_observed_rates():
         on_path = torch.zeros(b, n, dtype=torch.bool)
         on_path[:, 0] = True
         on_path[:, 1] = torch.rand(b, generator=rng) < 0.3
-        cal.update(bins, on_path, torch.ones(b, n, dtype=torch.int64), est)
+        totals += cal.update(bins, on_path, torch.ones(b, n, dtype=torch.int64), est)[0]
     assert cal.refresh()[bin1].item() == pytest.approx(0.3, abs=0.05)
-    summary = cal.summary()["members"]["draft"]
-    assert summary["trials"] == 1200 and abs(summary["estimated"] - summary["observed"]) < 0.1
+    trials, estimated, hits = totals[SOURCE_DRAFT].tolist()
+    assert trials == 1200 and abs(estimated - hits) / trials < 0.1
     # monotone in the probability axis: a less probable bin never gets a higher estimate
     lower = int(cal.draft_bins(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[-5.0]]),
                                torch.zeros(1, dtype=torch.bool)))
@@ -404,9 +422,10 @@ def test_observe_updates_device_state_and_reports_path_sources():
     srcs = stats.sources
     assert srcs[0, 0].item() == out.tree.source[0, 1].item() and (srcs[0, 1:] == -1).all() and (srcs[1] == -1).all()
     assert planner.history.count[[1, 3]].tolist() == [2, 1] and planner.history.tokens[1, -2:].tolist()[1] == 7
-    assert planner.calibrator.member_stats[0, 0] > 0   # draft nodes were verified
-    assert torch.equal(stats.members, planner.calibrator.member_stats)   # first round: increments = totals
-    assert stats.depths[1, 0] >= 1 and stats.depths[0].sum() == 0
+    assert stats.members.shape == (2, NUM_MEMBERS, 3) and stats.depths.shape[0] == 2   # per row
+    assert stats.members[0, SOURCE_DRAFT, 0] > 0 and stats.members[0, SOURCE_DRAFT, 2] >= 1  # row 0 accepted a node
+    assert stats.members[1, :, 2].sum() == 0                                          # row 1 accepted none
+    assert stats.depths[0, 1, 0] >= 1 and stats.depths[:, 0].sum() == 0
     t = out.tree.tokens[0, 1].item()
     if (out.tree.tokens == t).sum() == 1:
         assert planner.successor.table[t, :3].tolist() == topk[0, 1].tolist()
@@ -718,8 +737,7 @@ def test_dense_draft_candidates_follow_the_eagle_parent_rule(topk, steps):
             assert d.parents[r, g] == (-1 if tb == 0 else parent_list[r, tb])
             assert d.depth[r, g] == (1 if g < topk else 2 + (g - topk) // (topk * topk))
     expect = torch.log(scores)
-    expect[scores == 0] = torch.finfo(torch.float32).min    # an undrafted node: the lowest finite log
-    expect[torch.isnan(scores)] = -math.inf
+    expect[(scores == 0) | torch.isnan(scores)] = -math.inf   # an undrafted node
     assert torch.equal(d.logq, expect) and torch.equal(d.tokens, tokens)
     if steps > 1:
         with pytest.raises(ValueError, match="parent_list has"):

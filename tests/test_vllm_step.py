@@ -372,7 +372,7 @@ def test_per_source_acceptance_is_logged(caplog):
         _decode(step, target, target, {"a": [1, 2, 3]}, k, new_tokens=12)
     lines = [r.getMessage() for r in caplog.records if "acceptance by source" in r.getMessage()]
     assert lines and "draft" in lines[0]
-    assert step.log_sources()["members"]["draft"]["trials"] > 0
+    assert step.log_sources()["calibration"]["draft"]["trials"] > 0
 
 
 def _decode_trees(step: ChainStep, target: torch.Tensor, drafter: torch.Tensor, prompts: dict[str, list[int]],
@@ -457,7 +457,7 @@ def test_tree_mode_proposes_parents_first_trees_spine_first_and_stays_lossless()
 
 def _verified_nodes(step: ChainStep) -> int:
     """Nodes the calibration counted as verified (per-depth trials, every member source at once)."""
-    return sum(d["trials"] for d in step.planner.calibration_summary()["depths"].values())
+    return sum(d["verified"] for d in step.stats.summary()["acceptance_by_depth"].values())
 
 
 def test_tree_outcome_feeds_the_calibration_and_the_successor_table_as_in_sglang():

@@ -71,8 +71,7 @@ def observe_committed(planner: GraftPlanner, out: StepOutput, committed: torch.T
         if target_topk is None:
             raise ValueError("observe_committed: verified trees need the target's top-k for the successor table")
         learn = verified & (out.tree.source != SOURCE_PADDING) & (lens > 0)[:, None]
-        planner.successor.update(out.tree.tokens, target_topk.reshape(learn.numel(), -1), learn,
-                                 groups[:, None].expand_as(learn))
+        planner.successor.update(out.tree.tokens, target_topk.reshape(learn.numel(), -1), learn, groups)
     if committed.shape[1] > 0:
         # transitions t -> u along root, committed[0], ...: rows [B * L], the invalid ones masked
         prev = torch.cat([out.tree.tokens[:, :1], committed[:, :-1]], 1)                # [B, L]

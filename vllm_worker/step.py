@@ -210,7 +210,8 @@ class ChainStep:
         same &= torch.arange(width)[None, :] < lens[:, None]
         accepted = torch.cummin(same.to(torch.int64), dim=1).values.sum(1) if width else torch.zeros_like(lens)
         rows = [sources[j, : int(accepted[j])].tolist() for j in range(len(lens)) if int(lens[j]) > 0]
-        members, depths = stats.members.tolist(), stats.depths.tolist()
+        # per row: summed on the host (no device op)
+        members, depths = stats.members.cpu().sum(0).tolist(), stats.depths.cpu().sum(0).tolist()
         for sink in (self.stats, prometheus_stats()):
             if sink is not None:
                 sink.record_round(rows, members, depths)
@@ -218,10 +219,10 @@ class ChainStep:
     def log_sources(self) -> dict:
         """Log (logger ``vllm.graft``, INFO, beside vLLM's own SpecDecoding metrics line) and return the
         calibration's per-source figures: trials, estimated and observed acceptance of every source's
-        nodes since start (`Calibrator.summary`; one host read)."""
-        summary = self.planner.calibration_summary()
+        nodes since start (`GraftStats.summary`'s ``calibration``: host counts, no device read)."""
+        summary = self.stats.summary()
         parts = [f"{name} {m['observed']:.3f} (est {m['estimated']:.3f}, {m['trials']} nodes)"
-                 for name, m in summary["members"].items() if m["trials"]]
+                 for name, m in summary["calibration"].items() if m["trials"]]
         logger.info("graft: acceptance by source after %d steps: %s", self._observed, ", ".join(parts) or "none yet")
         return summary
 

@@ -171,7 +171,8 @@ def merge_select_reference(cands: Candidates, opts: SelectOptions, sampled: Opti
         opts: `SelectOptions` (``num_nodes`` N and ``gain_nodes`` resolved, >= 1; the `GraftPolicy`
             fields).
         sampled: ``bool[B]`` or None.
-        agreement: the `Agreement` pricing, or None (no agreement; its ``rows`` None: every row).
+        agreement: the `Agreement` pricing, or None (no agreement; its ``rows`` None: every row; else
+            the rows where ``rows`` is not ``invert``).
     Returns:
         ``(tokens int64[B, N], parents int64[B, N], logp float32[B, N], source [B, N],
         member_bins int64[B, N, NUM_MEMBERS], gain float32[B, gain_nodes - 1])``.
@@ -179,7 +180,7 @@ def merge_select_reference(cands: Candidates, opts: SelectOptions, sampled: Opti
     tokens, parents, key, est, valid, member, bins = (cands.tokens, cands.parents, cands.priority, cands.est,
                                                        cands.valid, cands.member, cands.bins)
     num_nodes, gain_nodes, min_score, root_width, exclusive_siblings = opts
-    agree_offset, agree_table, agree_rows = agreement if agreement is not None else (0, None, None)
+    agree_offset, agree_table, agree_rows, agree_invert = agreement if agreement is not None else (0, None, None, False)
     b, u = tokens.shape
     dev = tokens.device
     neg_inf = torch.full((), -math.inf, device=dev)
@@ -214,7 +215,7 @@ def merge_select_reference(cands: Candidates, opts: SelectOptions, sampled: Opti
         retrieved = (mb[:, :, SOURCE_SUCCESSOR:SOURCE_AGREE] >= 0).any(dim=2)   # any member but draft / agree
         agree = (drafted >= 0) & retrieved
         if agree_rows is not None:
-            agree = agree & agree_rows[:, None]
+            agree = agree & (agree_rows != agree_invert)[:, None]
         agree_bin = torch.where(agree, drafted + agree_offset, -1)
         agree_est = torch.where(agree, agree_table.gather(0, agree_bin.clamp(min=0).reshape(-1)).view(b, u), 0.0)
         gest = torch.where(agree, torch.maximum(gest, agree_est), gest)
@@ -340,7 +341,7 @@ if triton is not None:
                        out_tok, out_par, out_est, out_src, out_mb, out_gain, iscratch, fscratch, tscratch,
                        U: tl.constexpr, N: tl.constexpr, G: tl.constexpr, KN: tl.constexpr, KP: tl.constexpr,
                        ROUNDS: tl.constexpr, BLOCK: tl.constexpr, BN: tl.constexpr, CAPS: tl.constexpr,
-                       HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr, HAS_ROWS: tl.constexpr,
+                       HAS_SAMPLED: tl.constexpr, HAS_AGREE: tl.constexpr, HAS_ROWS: tl.constexpr, INVERT: tl.constexpr,
                        MIN_SCORE: tl.constexpr, HAS_RW: tl.constexpr):
         """One request per program; the candidates in ``BLOCK`` >= U lanes (see the module docstring
         for the steps, which follow `merge_select_reference` line for line).
@@ -444,7 +445,7 @@ if triton is not None:
                           axis=1) >= 0
             agree = (drafted >= 0) & retr
             if HAS_ROWS:
-                agree = agree & (tl.load(rows_ptr + b) != 0)
+                agree = agree & ((tl.load(rows_ptr + b) != 0) != INVERT)
             agree_bin = tl.where(agree, drafted + agree_offset, -1)
             agree_est = tl.load(table_ptr + tl.maximum(agree_bin, 0), mask=agree, other=0.0)
             gest = tl.where(agree, tl.maximum(gest, agree_est), gest)
@@ -579,7 +580,7 @@ def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torc
     tokens, parents, key, est, valid, member, bins = (cands.tokens, cands.parents, cands.priority, cands.est,
                                                        cands.valid, cands.member, cands.bins)
     num_nodes, gain_nodes, min_score, root_width, exclusive_siblings = opts
-    agree_offset, agree_table, agree_rows = agreement if agreement is not None else (0, None, None)
+    agree_offset, agree_table, agree_rows, agree_invert = agreement if agreement is not None else (0, None, None, False)
     if triton is None:
         raise RuntimeError("graft merge_select: Triton is not installed")
     b, u = tokens.shape
@@ -612,7 +613,8 @@ def select_triton(cands: Candidates, opts: SelectOptions, sampled: Optional[torc
             U=u, N=n, G=g, KN=kn, KP=min(block, triton.next_power_of_2(max(2, kn, min(g, u - 1)))),
             ROUNDS=pointer_rounds(u + 1), BLOCK=block, BN=bn,
             CAPS=_CAPS[exclusive_siblings], HAS_SAMPLED=sampled is not None, HAS_AGREE=agree_table is not None,
-            HAS_ROWS=agree_rows is not None, MIN_SCORE=min_score > 0, HAS_RW=root_width is not None,
+            HAS_ROWS=agree_rows is not None, INVERT=bool(agree_invert), MIN_SCORE=min_score > 0,
+            HAS_RW=root_width is not None,
             num_warps=8 if u > 64 else 4)
     return out_tok, out_par, out_est, out_src, out_mb, gain
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import row_arg
 from .dispatch import triton
 from .registry import fused_op
 
@@ -33,7 +34,8 @@ def stack_reference(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list
 
     Args:
         blocks: ``FIELDS`` tensors per block, blocks in order (the rooted block first): tokens,
-            parents, est, valid, bins, member, priority, each ``[B, C_i]`` (`Candidates`).
+            parents, est, valid, bins, member, priority, each ``[B, C_i]`` (`Candidates`; a member
+            field may be one row broadcast over the batch, row stride 0).
         speculate: ``bool[B]`` rows that may speculate (the others' candidates become invalid).
     Returns:
         The ``FIELDS`` stacked tensors ``[B, sum C_i]``.
@@ -53,49 +55,51 @@ def stack_reference(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list
 if triton is not None:
     @triton.jit
     def _copy_block(src, dst, b, width, offset, total, shift, repoint: tl.constexpr,
-                    BW: tl.constexpr):
+                    BW: tl.constexpr, row):
         for start in range(0, width, BW):
             j = start + tl.arange(0, BW)
             live = j < width
-            x = tl.load(src + b * width + j, mask=live)
+            x = tl.load(src + b * row + j, mask=live)
             if repoint:
                 x = tl.where(x < 0, 0, x + shift)
             tl.store(dst + b * total + offset + j, x, mask=live)
 
     @triton.jit
-    def _copy_fields(t, p, e, v, bn, m, k, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, width, offset, total,
+    def _copy_fields(t, p, e, v, bn, m, ms, k, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, width, offset, total,
                      REPOINT: tl.constexpr, BW: tl.constexpr):
-        _copy_block(t, o_t, b, width, offset, total, offset, False, BW)
-        _copy_block(p, o_p, b, width, offset, total, offset, REPOINT, BW)
-        _copy_block(e, o_e, b, width, offset, total, offset, False, BW)
+        _copy_block(t, o_t, b, width, offset, total, offset, False, BW, width)
+        _copy_block(p, o_p, b, width, offset, total, offset, REPOINT, BW, width)
+        _copy_block(e, o_e, b, width, offset, total, offset, False, BW, width)
         for start in range(0, width, BW):
             j = start + tl.arange(0, BW)
             live = j < width
             x = tl.load(v + b * width + j, mask=live, other=0) != 0
             tl.store(o_v + b * total + offset + j, x & spec, mask=live)
-        _copy_block(bn, o_b, b, width, offset, total, offset, False, BW)
-        _copy_block(m, o_m, b, width, offset, total, offset, False, BW)
-        _copy_block(k, o_k, b, width, offset, total, offset, False, BW)
+        _copy_block(bn, o_b, b, width, offset, total, offset, False, BW, width)
+        _copy_block(m, o_m, b, width, offset, total, offset, False, BW, ms)
+        _copy_block(k, o_k, b, width, offset, total, offset, False, BW, width)
 
     @triton.jit
     def _stack_kernel(t0, p0, e0, v0, b0, m0, k0, t1, p1, e1, v1, b1, m1, k1, t2, p2, e2, v2, b2, m2, k2,
-                      t3, p3, e3, v3, b3, m3, k3, spec_ptr, o_t, o_p, o_e, o_v, o_b, o_m, o_k,
+                      t3, p3, e3, v3, b3, m3, k3, spec_ptr, o_t, o_p, o_e, o_v, o_b, o_m, o_k, ms0, ms1, ms2, ms3,
                       W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr, BW: tl.constexpr):
-        """One request per program: the blocks' fields copied at their offsets.
+        """One request per program: the blocks' fields copied at their offsets (``ms*``: the member
+        fields' row strides, 0 for a broadcast row).
 
         Work per program: O(W0 + W1 + W2 + W3) copies, no barrier."""
         b = tl.program_id(0)
         spec = tl.load(spec_ptr + b) != 0
         total = W0 + W1 + W2 + W3
-        _copy_fields(t0, p0, e0, v0, b0, m0, k0, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W0, 0, total, False, BW)
+        _copy_fields(t0, p0, e0, v0, b0, m0, ms0, k0, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W0, 0, total,
+                     False, BW)
         if W1 > 0:
-            _copy_fields(t1, p1, e1, v1, b1, m1, k1, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W1, W0, total,
+            _copy_fields(t1, p1, e1, v1, b1, m1, ms1, k1, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W1, W0, total,
                          True, BW)
         if W2 > 0:
-            _copy_fields(t2, p2, e2, v2, b2, m2, k2, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W2, W0 + W1,
+            _copy_fields(t2, p2, e2, v2, b2, m2, ms2, k2, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W2, W0 + W1,
                          total, True, BW)
         if W3 > 0:
-            _copy_fields(t3, p3, e3, v3, b3, m3, k3, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W3, W0 + W1 + W2,
+            _copy_fields(t3, p3, e3, v3, b3, m3, ms3, k3, o_t, o_p, o_e, o_v, o_b, o_m, o_k, spec, b, W3, W0 + W1 + W2,
                          total, True, BW)
 
 
@@ -116,10 +120,14 @@ def stack_triton(blocks: list[torch.Tensor], speculate: torch.Tensor) -> list[to
     total = sum(widths)
     first = blocks[:FIELDS]
     out = [torch.empty(b, total, dtype=x.dtype, device=x.device) for x in first]
-    args = [x.contiguous() for x in blocks] + list(first) * (MAX_BLOCKS - n)   # absent blocks: never read
+    # the member fields are read through their row strides (the rooted block's is a broadcast row)
+    members = [row_arg(blocks[i * FIELDS + 5]) for i in range(n)]
+    args = [members[i // FIELDS][0] if i % FIELDS == 5 else x.contiguous() for i, x in enumerate(blocks)]
+    args += list(first) * (MAX_BLOCKS - n)                                    # absent blocks: never read
+    strides = [s for _, s in members] + [0] * (MAX_BLOCKS - n)
     if b > 0:
-        _stack_kernel[(b,)](*args, speculate.contiguous(), *out, W0=widths[0], W1=widths[1], W2=widths[2],
-                            W3=widths[3], BW=64)
+        _stack_kernel[(b,)](*args, speculate.contiguous(), *out, *strides, W0=widths[0], W1=widths[1],
+                            W2=widths[2], W3=widths[3], BW=64)
     return out
 
 

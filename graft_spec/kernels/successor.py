@@ -58,46 +58,56 @@ def last_writer(row: torch.Tensor, ok: torch.Tensor, dump: int) -> torch.Tensor:
 
 
 def successor_update_reference(table: torch.Tensor, tokens: torch.Tensor, topk_ids: torch.Tensor,
-                               valid: torch.Tensor, groups: torch.Tensor, rows: int, vocab: int) -> None:
+                               valid: torch.Tensor, groups: torch.Tensor, rows: int, vocab: int,
+                               invalid: int = 0) -> None:
     """Overwrite the rows of the valid nodes, in place.
 
     Args:
         table: ``int32[G * (rows + 2), k]``; rows R and R + 1 of every group stay -1.
-        tokens: ``int64[M]`` node tokens; topk_ids: ``int64[M, k']`` the target's top-k after each,
-            best first (k' > k truncated, k' < k leaves ranks at -1); valid: ``bool[M]``;
-            groups: ``int64[M]`` isolation groups (a negative group's nodes are never written).
+        tokens: ``int64[B, N]`` node tokens (M = B * N nodes in flat order); topk_ids: ``int64[M, k']``
+            the target's top-k after each, best first (k' > k truncated, k' < k leaves ranks at -1).
+        valid: ``bool`` or ``int64[B, N]``: a node learns where ``valid != invalid`` (a mask with
+            ``invalid`` 0, or the nodes' sources with ``invalid`` = ``SOURCE_PADDING``).
+        groups: ``int64[B]`` isolation group of each row's nodes (a negative group's nodes are never
+            written).
         rows: R, rows per group; vocab: tokens outside ``[0, vocab)`` are never written.
+        invalid: the value of ``valid`` that marks a node that does not learn.
     """
-    m, k = tokens.shape[0], table.shape[1]
-    row, ok = table_rows(tokens, groups, rows, vocab)
-    dest = last_writer(row, ok & valid, rows + 1)              # group 0's dump row
+    b, n = tokens.shape
+    m, k = b * n, table.shape[1]
+    row, ok = table_rows(tokens.reshape(m), groups[:, None].expand(b, n).reshape(m), rows, vocab)
+    learn = valid.reshape(m).to(torch.int64) != invalid
+    dest = last_writer(row, ok & learn, rows + 1)              # group 0's dump row
     new = torch.full((m, k), -1, dtype=torch.int32, device=table.device)
     kk = min(k, topk_ids.shape[-1])
-    new[:, :kk] = topk_ids[:, :kk].to(torch.int32)
+    new[:, :kk] = topk_ids.reshape(m, -1)[:, :kk].to(torch.int32)
     table.index_copy_(0, dest, new)
     table.view(-1, rows + 2, k)[:, rows:].fill_(-1)
 
 
 if triton is not None:
     @triton.jit
-    def _successor_kernel(table_ptr, tok_ptr, topk_ptr, valid_ptr, group_ptr, M, rows, vocab,
+    def _successor_kernel(table_ptr, tok_ptr, topk_ptr, valid_ptr, group_ptr, M, N, group_stride, rows, vocab, invalid,
                           KP: tl.constexpr, K: tl.constexpr, KK: tl.constexpr, BI: tl.constexpr,
                           BJ: tl.constexpr, BK: tl.constexpr):
-        """Nodes ``BI`` per program; a node writes when no later valid node shares its row.
+        """Nodes ``BI`` per program (node ``i`` of row ``i // N``); a node writes when no later valid
+        node shares its row.
 
         Work per program: O(BI * M) row comparisons against the M nodes in ``M / BJ`` steps, then
         O(BI * K) table writes; ``ceil(M / BI)`` programs."""
         i = tl.program_id(0) * BI + tl.arange(0, BI)
         tok = tl.load(tok_ptr + i, mask=i < M, other=-1)
-        grp = tl.load(group_ptr + i, mask=i < M, other=0)
-        ok = (tok >= 0) & (tok < vocab) & (tl.load(valid_ptr + i, mask=i < M, other=0) != 0) & (i < M) & (grp >= 0)
+        grp = tl.load(group_ptr + (i // N) * group_stride, mask=i < M, other=0)
+        ok = (tok >= 0) & (tok < vocab) & (tl.load(valid_ptr + i, mask=i < M, other=invalid) != invalid) & (i < M)
+        ok = ok & (grp >= 0)
         row = tl.maximum(grp, 0) * (rows + 2) + tl.where(ok, tok % rows, rows)
         later = tl.zeros([BI], dtype=tl.int32)
         for start in range(0, M, BJ):
             j = start + tl.arange(0, BJ)
             tj = tl.load(tok_ptr + j, mask=j < M, other=-1)
-            gj = tl.load(group_ptr + j, mask=j < M, other=0)
-            okj = (tj >= 0) & (tj < vocab) & (tl.load(valid_ptr + j, mask=j < M, other=0) != 0) & (j < M) & (gj >= 0)
+            gj = tl.load(group_ptr + (j // N) * group_stride, mask=j < M, other=0)
+            okj = (tj >= 0) & (tj < vocab) & (tl.load(valid_ptr + j, mask=j < M, other=invalid) != invalid)
+            okj = okj & (j < M) & (gj >= 0)
             rj = tl.maximum(gj, 0) * (rows + 2) + tl.where(okj, tj % rows, rows)
             same = (rj[None, :] == row[:, None]) & okj[None, :] & (j[None, :] > i[:, None])
             later += tl.sum(same.to(tl.int32), axis=1)
@@ -108,28 +118,31 @@ if triton is not None:
                  mask=write[:, None] & (c[None, :] < K))
 
 
-def successor_update_triton(table, tokens, topk_ids, valid, groups, rows: int, vocab: int) -> None:
+def successor_update_triton(table, tokens, topk_ids, valid, groups, rows: int, vocab: int, invalid: int = 0) -> None:
     """`successor_update_reference` as one Triton launch (CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1``). Same arguments and effects.
+    ``TRITON_INTERPRET=1``). Same arguments and effects; the inputs are read in place (``groups``
+    through its stride: a packed host block's column).
 
     Raises:
         RuntimeError: Triton is not installed.
     """
     if triton is None:
         raise RuntimeError("graft successor_update: Triton is not installed")
-    m, k = tokens.shape[0], table.shape[1]
+    b, n = tokens.shape
+    m, k = b * n, table.shape[1]
     if m == 0:
         return
-    topk = topk_ids.reshape(m, -1).contiguous().to(torch.int64)
+    topk = topk_ids.reshape(m, -1).contiguous()
     bi = 32
-    _successor_kernel[(triton.cdiv(m, bi),)](table, tokens.contiguous().to(torch.int64), topk,
-                                            int8_arg(valid), groups.contiguous().to(torch.int64),
-                                            m, rows, vocab, KP=topk.shape[1], K=k, KK=min(k, topk.shape[1]), BI=bi,
+    _successor_kernel[(triton.cdiv(m, bi),)](table, tokens.contiguous(), topk,
+                                            int8_arg(valid) if valid.dtype == torch.bool else valid.contiguous(),
+                                            groups, m, n, groups.stride(0), rows, vocab, int(invalid),
+                                            KP=topk.shape[1], K=k, KK=min(k, topk.shape[1]), BI=bi,
                                             BJ=128, BK=triton.next_power_of_2(max(k, 2)))
 
 
 def _successor_fake(table: torch.Tensor, tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
-                    groups: torch.Tensor, rows: int, vocab: int) -> None:
+                    groups: torch.Tensor, rows: int, vocab: int, invalid: int = 0) -> None:
     return None
 
 

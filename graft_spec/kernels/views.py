@@ -183,11 +183,14 @@ class SelectOptions(NamedTuple):
 
 class Agreement(NamedTuple):
     """Agreement pricing (`merge.merge_select`): a node's agreement bin is its draft bin +
-    ``offset``, priced from ``table float32[S + 1]``, on the rows of ``rows bool[B]`` (None: all)."""
+    ``offset``, priced from ``table float32[S + 1]``, on the rows where ``rows bool[B]`` is not
+    ``invert`` (``rows`` None: every row; ``invert`` lets a step pass its sampled rows as they are
+    for the greedy rows, with no op)."""
 
     offset: int
     table: torch.Tensor
     rows: Optional[torch.Tensor]
+    invert: bool = False
 
 
 class RefreshIndex(NamedTuple):

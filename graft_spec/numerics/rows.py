@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["shifted", "append_rows", "mode_rows"]
+__all__ = ["shifted", "append_rows", "mode_rows", "mode_selector"]
 
 
 def shifted(old: torch.Tensor, new: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -26,6 +26,22 @@ def append_rows(tokens: torch.Tensor, count: torch.Tensor, slot_ids: torch.Tenso
     length = tokens.shape[1]
     tokens.index_copy_(0, ids, shifted(tokens.index_select(0, ids), new, lens))
     count.index_copy_(0, ids, (count.index_select(0, ids) + lens.to(torch.int64)).clamp(max=length))
+
+
+def mode_selector(modes: tuple, sampled: torch.Tensor) -> tuple[Optional[torch.Tensor], bool]:
+    """`mode_rows` as ``(rows, invert)`` with no op: the rows whose mode is on are those where
+    ``rows`` is not ``invert`` (``rows`` None: every row). For (greedy, sampled) = (True, False) that
+    is ``(sampled, True)``. A config switch, not data-dependent control flow.
+
+    Raises:
+        ValueError: both modes off (no row; `mode_rows` gives an all-False mask then).
+    """
+    greedy_on, sampled_on = bool(modes[0]), bool(modes[1])
+    if greedy_on and sampled_on:
+        return None, False
+    if not (greedy_on or sampled_on):
+        raise ValueError("mode_selector: both modes off")
+    return sampled, greedy_on
 
 
 def mode_rows(modes: tuple, sampled: torch.Tensor) -> Optional[torch.Tensor]:

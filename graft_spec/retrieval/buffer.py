@@ -82,10 +82,13 @@ class HostCandidates:
 
     def pack_into(self, block: torch.Tensor) -> None:
         """Write the first ``B`` rows of a packed block ``int64[>= B, 5, M + 1]`` (the inverse of `unpack`):
-        one copy when this batch came packed, else one per field (log-probabilities as ``float64``)."""
+        nothing when this batch was uploaded into those rows (`HostCandidateBuffer.upload` ``out``),
+        one copy when it came packed elsewhere, else one per field (log-probabilities as ``float64``)."""
         b, m = self.tokens.shape
         if self.packed is not None and self.packed.shape[1:] == block.shape[1:]:
-            block[:b].copy_(self.packed)
+            dst = block[:b]
+            if self.packed.data_ptr() != dst.data_ptr() or self.packed.stride() != dst.stride():
+                dst.copy_(self.packed)
             return
         for row, field in ((0, self.tokens), (1, self.parents), (3, self.member), (4, self.match)):
             block[:b, row, :m].copy_(field)
@@ -169,10 +172,15 @@ class HostCandidateBuffer:
         r[4, sl] = max(1, proposal.match_len)
         return n
 
-    def upload(self, batch: int) -> HostCandidates:
-        """The first ``batch`` rows on the device: one (non-blocking, from pinned memory) copy; the
+    def upload(self, batch: int, out: Optional[torch.Tensor] = None) -> HostCandidates:
+        """The first ``batch`` rows on the device: one (non-blocking, from pinned memory) copy, into
+        ``out`` (``int64[batch, 5, M + 1]`` on the device, e.g. the captured step's input block,
+        `graft_spec.graphs.StepGraphs.host_destination`) when given, else into a new tensor; the
         host then fills the other staging block."""
-        dev = self.staging[:batch].to(self.device, non_blocking=True)
+        if out is not None:
+            dev = out.copy_(self.staging[:batch], non_blocking=True)
+        else:
+            dev = self.staging[:batch].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()

@@ -150,21 +150,26 @@ class SuccessorTable:
         self.table.view(self.groups, self.rows + 2, self.k)[:, self.rows:].fill_(-1)
 
     def update(self, node_tokens: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor,
-               groups: torch.Tensor | int = 0) -> None:
+               groups: torch.Tensor | int = 0, invalid: int = 0) -> None:
         """Overwrite the rows of verified nodes with the target's top-k (paper Eq. 12/14).
 
         Args:
-            node_tokens: ``int64[M]`` tokens of the verified nodes.
-            topk_ids: ``int64[M, k']`` the target's top-k after each of them, best first; k' > k is
+            node_tokens: ``int64[B, N]`` tokens of the verified nodes, or ``int64[M]`` (M rows of one).
+            topk_ids: ``int64[B * N, k']`` the target's top-k after each of them, best first; k' > k is
                 truncated, k' < k leaves the remaining ranks at -1.
-            valid: ``bool[M]`` nodes to learn from (non-padding, in-vocabulary).
-            groups: ``int64[M]`` isolation group of each node (or one int).
+            valid: ``[B, N]`` (or ``[M]``): a node learns where ``valid != invalid`` (a ``bool`` mask of
+                the nodes to learn from, or the nodes' sources with ``invalid`` = ``SOURCE_PADDING``);
+                out-of-vocabulary tokens never learn.
+            groups: ``int64[B]`` isolation group of each row's nodes (or one int).
+            invalid: see ``valid``.
         """
-        toks = node_tokens.reshape(-1).to(self.device, torch.int64)
+        toks = node_tokens.to(self.device, torch.int64)
+        if toks.dim() == 1:
+            toks = toks[:, None]
         g = groups.reshape(-1).to(self.device, torch.int64) if isinstance(groups, torch.Tensor) \
-            else torch.full_like(toks, groups)
-        successor_update(self.table, toks, topk_ids.reshape(toks.shape[0], -1), valid.reshape(-1).to(self.device),
-                         g, self.rows, self.vocab_size)
+            else torch.full_like(toks[:, 0], groups)
+        successor_update(self.table, toks, topk_ids.reshape(toks.numel(), -1),
+                         valid.reshape(toks.shape).to(self.device), g, self.rows, self.vocab_size, invalid)
 
     def warm_start(self, prev: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor,
                    groups: torch.Tensor | int = 0) -> None:

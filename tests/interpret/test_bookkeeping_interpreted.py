@@ -139,27 +139,35 @@ def test_refresh_kernel_equals_reference(seed, window):
 
 
 @settings(max_examples=12, deadline=None)
-@given(m=st.sampled_from([1, 7, 24, 200, 960]), seed=st.integers(0, 2 ** 31 - 1), k2=st.sampled_from([3, 8, 11]),
-       groups=st.sampled_from([1, 3]), rows=st.sampled_from([None, 37]))
-def test_successor_kernel_equals_reference(m, seed, k2, groups, rows):
+@given(shape=st.sampled_from([(1, 1), (7, 1), (1, 24), (25, 8), (40, 24)]), seed=st.integers(0, 2 ** 31 - 1),
+       k2=st.sampled_from([3, 8, 11]), groups=st.sampled_from([1, 3]), rows=st.sampled_from([None, 37]),
+       sources=st.booleans())
+def test_successor_kernel_equals_reference(shape, seed, k2, groups, rows, sources):
     from graft_spec.kernels.successor import successor_update_reference, successor_update_triton
     from graft_spec.retrieval.successor import SuccessorTable
+    from graft_spec.sources import SOURCE_PADDING
 
     g = torch.Generator().manual_seed(seed)
     vocab = 300
+    b, n = shape
     succ = SuccessorTable(vocab, k=8, groups=groups, rows=rows)
     succ.table.copy_(torch.randint(-1, vocab, succ.table.shape, generator=g).to(torch.int32))
     succ._keep_empty_rows()
     # few distinct tokens: many nodes write the same rows; some out of the vocabulary
-    tokens = torch.randint(-2, 40, (m,), generator=g)
-    tokens[torch.rand(m, generator=g) < 0.05] = vocab + 3
-    topk = torch.randint(0, vocab, (m, k2), generator=g)
-    valid = torch.rand(m, generator=g) < 0.8
-    grp = torch.randint(0, groups, (m,), generator=g)
+    tokens = torch.randint(-2, 40, (b, n), generator=g)
+    tokens[torch.rand(b, n, generator=g) < 0.05] = vocab + 3
+    topk = torch.randint(0, vocab, (b * n, k2), generator=g)
+    valid = torch.rand(b, n, generator=g) < 0.8
+    invalid = 0
+    if sources:   # the nodes' sources, padding marking the nodes that do not learn
+        valid = torch.where(valid, torch.randint(0, SOURCE_PADDING, (b, n), generator=g), SOURCE_PADDING)
+        invalid = SOURCE_PADDING
+    grp = torch.randint(0, groups, (b, 3), generator=g)
+    grp = grp[:, 1] if sources else grp[:, 1].contiguous()   # a packed host block's column, read in place
     tables = []
     for fn in (successor_update_reference, successor_update_triton):
         t = succ.table.clone()
-        fn(t, tokens, topk, valid, grp, succ.rows, vocab)
+        fn(t, tokens, topk, valid, grp, succ.rows, vocab, invalid)
         tables.append(t)
     assert torch.equal(tables[0], tables[1])
 

@@ -109,7 +109,9 @@ def host_case(seed: int, b: int, m: int, length: int = 32, vocab: int = 5, kinds
     table = torch.rand(n, generator=g)
     table[torch.rand(n, generator=g) < 0.1] = 0.0
     table[torch.rand(n, generator=g) < 0.1] = 1.0
-    nm = cal.member_stats.shape[0]
+    from graft_spec.sources import NUM_MEMBERS
+
+    nm = NUM_MEMBERS
     scale = torch.where(torch.rand(b, nm, generator=g) < 0.3, 1.0, torch.rand(b, nm, generator=g))
     under = torch.rand(b, nm, generator=g) < 0.5
     ident = torch.rand(b, generator=g) < 0.3

@@ -58,12 +58,12 @@ def candidates(b: int, u: int, seed: int, vocab: int = 6, paper: bool = False):
 
 
 def select_args(cands, num_nodes: int, gain_nodes: int, min_score: float, root_width, siblings: str, sampled,
-                offset: int, table, rows) -> tuple:
+                offset: int, table, rows, invert: bool = False) -> tuple:
     """`merge_select_reference`'s arguments (the views) from the flat values."""
     from graft_spec.kernels.views import Agreement, SelectOptions
 
     return (cands, SelectOptions(num_nodes, gain_nodes, min_score, root_width, siblings), sampled,
-            Agreement(offset, table, rows) if table is not None else None)
+            Agreement(offset, table, rows, invert) if table is not None else None)
 
 
 def compare(args):
@@ -89,12 +89,13 @@ def cases(draw):
     cand = candidates(b, u, seed, vocab=draw(st.sampled_from([2, 6, 1000])), paper=draw(st.booleans()))
     sampled = draw(st.sampled_from([None, "mixed"]))
     sampled = torch.rand(b, generator=g) < 0.5 if sampled else None
-    agree = draw(st.sampled_from([None, "all", "rows"]))
+    agree = draw(st.sampled_from([None, "all", "rows", "inverted rows"]))
     table = torch.rand(200, generator=g) if agree else None
-    rows = torch.rand(b, generator=g) < 0.5 if agree == "rows" else None
+    rows = torch.rand(b, generator=g) < 0.5 if agree in ("rows", "inverted rows") else None
     return select_args(cand, n, draw(st.sampled_from([n, n + 7, 2, 1])),
                        draw(st.sampled_from([0.0, 0.25, 0.3])), draw(st.sampled_from([None, 1, 3])),
-                       draw(st.sampled_from(["never", "greedy", "always"])), sampled, 100, table, rows)
+                       draw(st.sampled_from(["never", "greedy", "always"])), sampled, 100, table, rows,
+                       agree == "inverted rows")
 
 
 @settings(max_examples=20, deadline=None)
@@ -109,7 +110,7 @@ def test_select_kernel_on_a_mixed_batch(mode):
     g = torch.Generator().manual_seed(7)
     b = 16
     args = select_args(candidates(b, 120, 3, paper=True), 24, 24, 0.1, 2, mode, torch.rand(b, generator=g) < 0.5,
-                       100, torch.rand(200, generator=g), torch.rand(b, generator=g) < 0.5)
+                       100, torch.rand(200, generator=g), torch.rand(b, generator=g) < 0.5, mode == "greedy")
     compare(args)
 
 
