@@ -55,11 +55,10 @@ class FlashLayout:
 
 def device_rows(step: TreeStep, num_reqs: int, device: torch.device) -> TreeRows:
     """The step's `TreeRows` on ``device`` (built on the host from ``step.rows`` and ``step.starts``
-    once per step, kept in ``step.context["kernel"]``): node j of tree row i is query row
+    once per step, kept in ``step.device_rows``): node j of tree row i is query row
     ``starts[i] + j``; ``tree_lens`` is 0 for the requests without a tree."""
-    cached = step.context.get("kernel")
-    if cached is not None:
-        return cached
+    if step.device_rows is not None:
+        return step.device_rows
     width = max(p.shape[0] for p in step.rows.values())
     rows, req, vis = [], [], []
     tree_lens = torch.zeros(num_reqs, dtype=torch.int32)
@@ -73,7 +72,7 @@ def device_rows(step: TreeStep, num_reqs: int, device: torch.device) -> TreeRows
         tree_lens[i] = q
     out = TreeRows(torch.cat(rows).to(device, non_blocking=True), torch.cat(req).to(device, non_blocking=True),
                    torch.cat(vis).to(device, non_blocking=True), tree_lens.to(device, non_blocking=True))
-    step.context["kernel"] = out
+    step.device_rows = out
     return out
 
 

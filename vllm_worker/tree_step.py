@@ -5,7 +5,7 @@ common ``forward`` (`TreeRowsMixin`). No vLLM import."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["TreeStep", "TreeRowsMixin", "set_step", "current_step"]
 
@@ -23,9 +23,11 @@ class TreeStep:
             target's), for the KV compaction after verification (`compact`).
         context: ``{request row: (int64[T] slots, bool[q, T] visible)}`` every context position's
             slot and each node's visible keys (T = the row's sequence length), the same in every
-            layer (filled by the first; the CUDA backend keeps its device `TreeRows` here).
+            layer (filled by the first; the CPU backend).
         starts: ``{request row: int}`` the first query row of each tree (host: the runner's
             ``query_start_loc``), for the CUDA backend.
+        device_rows: the CUDA backend's device `TreeRows` of the step (built by its first layer,
+            `tree_attention_gpu.device_rows`), or None.
     """
 
     rows: dict
@@ -33,6 +35,7 @@ class TreeStep:
     slots: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
     context: dict = field(default_factory=dict)
+    device_rows: Optional[Any] = None
 
 
 _STEP: Optional[TreeStep] = None
