@@ -13,11 +13,11 @@ bucket reads the first rows of one draft buffer, the caller's own when it passes
 (the SGLang worker passes the buffers its draft calls write), and a round's draft that already
 lies there is not copied. The host proposals are uploaded into the graphs' one input block the
 same way (`host_destination`, which `GraftPlanner.host_candidates` passes to the upload); roots,
-slots, lengths and sampled rows, the engine's own per-batch tensors, are copied in. The outputs
-are views of the first ``B`` rows of the graph's own output buffers, not copies: they stay valid
-until the next `build` (graphs
-share one memory pool, so a later replay may reuse them), which on a stream comes after everything
-the round enqueued on them (verify, observe). The planner's tables (calibration counts,
+slots, lengths and sampled rows, the engine's own per-batch tensors, are copied in by one op
+(`kernels.inputs.load_rows`: one launch on CUDA). The outputs are views of the first ``B`` rows of
+the graph's own output buffers, not copies: they stay valid until the next `build` (graphs share
+one memory pool, so a later replay may reuse them), which on a stream comes after everything the
+round enqueued on them (verify, observe). The planner's tables (calibration counts,
 successor table, token history, per-request correction windows) are read inside the graph at their
 fixed addresses: they are updated in place by `GraftPlanner.observe` and must not be reallocated
 after `capture` (size the per-slot state first, `GraftPlanner.ensure_slots`).
@@ -43,6 +43,7 @@ import torch
 
 from .config import GraftConfig
 from .history import TokenHistory
+from .kernels.inputs import load_rows
 from .retrieval.buffer import HostCandidateBuffer, HostCandidates
 from .sources import SOURCE_PADDING
 from .step import DenseDraft, DraftCandidates, StepOutput
@@ -74,7 +75,7 @@ __all__ = ["CudaRecorder", "Planner", "Recorder", "StepGraphs"]
 @dataclass
 class _Static:
     """The captured inputs of one batch bucket (``[bucket, ...]``): the host proposals as their packed
-    block (`HostCandidates.unpack` runs inside the graph), so a round loads them with one copy."""
+    block (`HostCandidates.unpack` runs inside the graph), which the upload writes in place."""
 
     draft: DenseDraft
     roots: torch.Tensor
@@ -85,15 +86,13 @@ class _Static:
 
     def load(self, draft: DenseDraft, roots, host: HostCandidates, slots, seq_lens, sampled) -> None:
         """Copy a batch of ``B <= bucket`` rows into the first ``B`` rows (device copies only; a draft
-        field already written in place, the same memory, is not copied)."""
+        field or host block already written in place, the same memory, is not copied; roots, slots,
+        lengths and sampled rows in one op, `kernels.inputs.load_rows`)."""
         b = roots.shape[0]
         for name in ("scores", "tokens", "parent_list"):
             _copy(getattr(self.draft, name)[:b], getattr(draft, name))
         host.pack_into(self.host_block)
-        self.roots[:b].copy_(roots)
-        self.slots[:b].copy_(slots)
-        self.seq_lens[:b].copy_(seq_lens)
-        self.sampled[:b].copy_(sampled)
+        load_rows(self.roots, self.slots, self.seq_lens, self.sampled, roots, slots, seq_lens, sampled)
 
 
 @dataclass

@@ -189,3 +189,23 @@ def test_request_factors_kernel_equals_reference(b, seed, window):
     for f, r in zip(factors_triton(rc.recent, slots, on, rc.pseudo_trials),
                     factors_reference(rc.recent, slots, on, rc.pseudo_trials)):
         assert f.dtype == r.dtype and torch.equal(f, r)
+
+
+@pytest.mark.parametrize("b,bucket,dtype", [(1, 1, torch.int64), (5, 8, torch.int32), (130, 160, torch.int64)])
+def test_load_rows_kernel_equals_reference(b, bucket, dtype):
+    """A round's roots, slots, lengths and sampled rows into the first rows of a bucket's buffers:
+    integer sources of either width and strided views, the rows past the batch untouched."""
+    from graft_spec.kernels.inputs import load_rows_reference, load_rows_triton
+
+    g = torch.Generator().manual_seed(b)
+    srcs = (torch.randint(0, 1000, (b, 2), generator=g).to(dtype)[:, 1],   # a strided column
+            torch.randint(0, 64, (b,), generator=g).to(dtype), torch.randint(0, 4096, (b,), generator=g),
+            torch.rand(b, generator=g) < 0.5)
+    outs = []
+    for fn in (load_rows_reference, load_rows_triton):
+        bufs = [torch.full((bucket,), -3, dtype=torch.int64) for _ in range(3)] + [torch.ones(bucket, dtype=torch.bool)]
+        fn(*bufs, *srcs)
+        outs.append(bufs)
+    for ref, ker in zip(*outs):
+        assert ref.dtype == ker.dtype and torch.equal(ref, ker)
+    assert torch.equal(outs[0][0][:b], srcs[0].long()) and (outs[0][0][b:] == -3).all()
