@@ -44,7 +44,7 @@ import torch
 from .config import GraftConfig
 from .history import TokenHistory
 from .kernels.inputs import load_rows
-from .retrieval.buffer import HostCandidateBuffer, HostCandidates
+from .retrieval.buffer import HostCandidateBuffer, HostCandidates, copy_unless_same
 from .sources import SOURCE_PADDING
 from .step import DenseDraft, DraftCandidates, StepOutput
 from .tree import DraftTree
@@ -90,7 +90,7 @@ class _Static:
         lengths and sampled rows in one op, `kernels.inputs.load_rows`)."""
         b = roots.shape[0]
         for name in ("scores", "tokens", "parent_list"):
-            _copy(getattr(self.draft, name)[:b], getattr(draft, name))
+            copy_unless_same(getattr(self.draft, name)[:b], getattr(draft, name))
         host.pack_into(self.host_block)
         load_rows(self.roots, self.slots, self.seq_lens, self.sampled, roots, slots, seq_lens, sampled)
 
@@ -113,22 +113,16 @@ class _ObserveStatic:
         """Copy a round's verify outcome of ``b`` rows into the first rows (device copies; an input
         already in place is not copied; ``committed`` wider than the buffer is cut to it: only the
         first ``accept_len <= width`` tokens are read)."""
-        _copy(self.on_path[:b], on_path)
+        copy_unless_same(self.on_path[:b], on_path)
         if self.topk is not None:
             rows = b * self.on_path.shape[1]
-            _copy(self.topk[:rows], topk.reshape(rows, -1)[:, : self.topk.shape[1]])
+            copy_unless_same(self.topk[:rows], topk.reshape(rows, -1)[:, : self.topk.shape[1]])
         c = min(self.committed.shape[1], committed.shape[1])
-        _copy(self.committed[:b, :c], committed[:, :c])
-        _copy(self.accept_len[:b], accept_len)
+        copy_unless_same(self.committed[:b, :c], committed[:, :c])
+        copy_unless_same(self.accept_len[:b], accept_len)
         if self.loaded_rows != b:
             self.rows.fill_(b)
             self.loaded_rows = b
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` unless ``src`` already is ``dst`` (same memory and strides)."""
-    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride() or src.shape != dst.shape:
-        dst.copy_(src)
 
 
 def _rows(out: StepOutput, b: int) -> StepOutput:
@@ -367,7 +361,7 @@ class StepGraphs:
         bucket, b = last[0][0], out.tree.tokens.shape[0]
         graph, ost, stats = entry
         ost.load(b, on_path, target_topk, committed, accept_len)
-        _copy(self._static[bucket].slots[:b], slot_ids)
+        copy_unless_same(self._static[bucket].slots[:b], slot_ids)
         graph.replay()
         self.observe_replays += 1
         return replace(stats, sources=stats.sources[:b], members=stats.members[:b], depths=stats.depths[:b],

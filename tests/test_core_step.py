@@ -154,6 +154,8 @@ def test_mode_selector_picks_the_rows_of_mode_rows(modes):
     sampled = torch.tensor([True, False, False, True, False])
     rows, invert = mode_selector(modes, sampled)
     want = mode_rows(modes, sampled)
+    expected = {(True, True): None, (True, False): ~sampled, (False, True): sampled}[modes]
+    assert (want is None) if expected is None else torch.equal(want, expected)
     if want is None:
         assert rows is None
     else:
@@ -161,6 +163,7 @@ def test_mode_selector_picks_the_rows_of_mode_rows(modes):
         assert rows is sampled                                  # no op: the sampled mask as it is
     with pytest.raises(ValueError):
         mode_selector((False, False), sampled)
+    assert not mode_rows((False, False), sampled).any()
 
 
 @pytest.mark.parametrize("outputs", ["greedy", "on"])

@@ -47,9 +47,7 @@ def mode_selector(modes: tuple, sampled: torch.Tensor) -> tuple[Optional[torch.T
 def mode_rows(modes: tuple, sampled: torch.Tensor) -> Optional[torch.Tensor]:
     """``bool[B]`` rows whose mode is on in ``modes`` = (greedy, sampled) (``sampled`` ``bool[B]``);
     None when both are (every row). A config switch, not data-dependent control flow."""
-    greedy_on, sampled_on = bool(modes[0]), bool(modes[1])
-    if greedy_on and sampled_on:
-        return None
-    if greedy_on:
-        return ~sampled
-    return sampled if sampled_on else torch.zeros_like(sampled)
+    if not (modes[0] or modes[1]):
+        return torch.zeros_like(sampled)
+    rows, invert = mode_selector(modes, sampled)
+    return None if rows is None else (~rows if invert else rows)

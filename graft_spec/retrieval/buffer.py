@@ -24,7 +24,14 @@ import torch
 from ..kernels.views import HostBlock
 from .base import Proposal
 
-__all__ = ["HostCandidates", "HostCandidateBuffer"]
+__all__ = ["HostCandidates", "HostCandidateBuffer", "copy_unless_same"]
+
+
+def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` unless ``src`` already is ``dst`` (same memory, strides and shape): an
+    input the engine wrote in place is not copied onto itself."""
+    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride() or src.shape != dst.shape:
+        dst.copy_(src)
 
 
 @dataclass
@@ -86,9 +93,7 @@ class HostCandidates:
         one copy when it came packed elsewhere, else one per field (log-probabilities as ``float64``)."""
         b, m = self.tokens.shape
         if self.packed is not None and self.packed.shape[1:] == block.shape[1:]:
-            dst = block[:b]
-            if self.packed.data_ptr() != dst.data_ptr() or self.packed.stride() != dst.stride():
-                dst.copy_(self.packed)
+            copy_unless_same(block[:b], self.packed)
             return
         for row, field in ((0, self.tokens), (1, self.parents), (3, self.member), (4, self.match)):
             block[:b, row, :m].copy_(field)
