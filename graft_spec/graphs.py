@@ -23,9 +23,10 @@ fixed addresses: they are updated in place by `GraftPlanner.observe` and must no
 after `capture` (size the per-slot state first, `GraftPlanner.ensure_slots`).
 
 The round's bookkeeping is captured too, as a second graph per (bucket, width): `observe` after a
-replayed build copies the verify outcome (accepted nodes, the target's top-k, committed tokens,
-accept lengths, slots) into its static inputs and replays `GraftPlanner.observe_eager` over the
-build graph's outputs in place; the padding rows are masked inside the graph (no member bins,
+replayed build loads the engine's verify outcome into its static inputs in two ops (the target's
+top-k by ``torch.topk`` into the captured buffer; the accepted nodes from SGLang's accept index, the
+committed tokens, accept lengths and slots by `kernels.inputs.load_outcome`) and replays
+`GraftPlanner.observe_eager` over the build graph's outputs in place; the padding rows are masked inside the graph (no member bins,
 padding sources, the planner's dump slot), so they credit and learn nothing. Its `RoundStats` row
 tensors are views, like the build's outputs. A tree that is not the last replayed build's output
 (an eager build, a tree broadcast from another tensor-parallel rank) is observed eagerly.
@@ -43,7 +44,7 @@ import torch
 
 from .config import GraftConfig
 from .history import TokenHistory
-from .kernels.inputs import load_rows
+from .kernels.inputs import load_outcome, load_rows
 from .retrieval.buffer import HostCandidateBuffer, HostCandidates, copy_unless_same
 from .sources import SOURCE_PADDING
 from .step import DenseDraft, DraftCandidates, StepOutput
@@ -99,7 +100,9 @@ class _Static:
 class _ObserveStatic:
     """The captured inputs of one (bucket, width) observe (``[bucket, ...]``) besides the build's
     outputs and slots, which it reads where the build graph left them. ``rows`` (``int64[1]``) is
-    the round's batch: rows at and after it are padding, which the captured observe masks out."""
+    the round's batch: rows at and after it are padding, which the captured observe masks out.
+    ``topk_values`` receives the values of the target's top-k, which nothing reads (allocated on
+    first use, in the logits' dtype)."""
 
     on_path: torch.Tensor
     topk: Optional[torch.Tensor]
@@ -107,22 +110,19 @@ class _ObserveStatic:
     accept_len: torch.Tensor
     rows: torch.Tensor
     row_ids: torch.Tensor
-    loaded_rows: int = -1          # host-side: the batch ``rows`` holds (its fill is skipped when equal)
+    topk_values: Optional[torch.Tensor] = None
 
-    def load(self, b: int, on_path, topk, committed, accept_len) -> None:
-        """Copy a round's verify outcome of ``b`` rows into the first rows (device copies; an input
-        already in place is not copied; ``committed`` wider than the buffer is cut to it: only the
-        first ``accept_len <= width`` tokens are read)."""
-        copy_unless_same(self.on_path[:b], on_path)
+    def load(self, b: int, accept_index, target_logits, committed, accept_len, slots_out, slots) -> None:
+        """A verified round of ``b`` rows into the first rows: the target's top-k written by
+        ``torch.topk`` into the captured buffer (one op), the accepted nodes, committed tokens,
+        accept lengths, slots and the batch size in one op (`kernels.inputs.load_outcome`)."""
         if self.topk is not None:
-            rows = b * self.on_path.shape[1]
-            copy_unless_same(self.topk[:rows], topk.reshape(rows, -1)[:, : self.topk.shape[1]])
-        c = min(self.committed.shape[1], committed.shape[1])
-        copy_unless_same(self.committed[:b, :c], committed[:, :c])
-        copy_unless_same(self.accept_len[:b], accept_len)
-        if self.loaded_rows != b:
-            self.rows.fill_(b)
-            self.loaded_rows = b
+            rows, k = b * self.on_path.shape[1], self.topk.shape[1]
+            if self.topk_values is None or self.topk_values.dtype != target_logits.dtype:
+                self.topk_values = torch.empty(self.topk.shape, dtype=target_logits.dtype, device=self.topk.device)
+            torch.topk(target_logits[:rows], k, dim=-1, out=(self.topk_values[:rows], self.topk[:rows]))
+        load_outcome(self.on_path, self.committed, self.accept_len, slots_out, self.rows, accept_index, committed,
+                     accept_len, slots)
 
 
 def _rows(out: StepOutput, b: int) -> StepOutput:
@@ -260,10 +260,9 @@ class StepGraphs:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         on_path = torch.zeros(bucket, width, dtype=torch.bool, device=dev)
         on_path[:, 0] = True
-        ost = _ObserveStatic(on_path, z(bucket * width, k) if k else None, z(bucket, width),
-                             z(bucket) + 1, z(1), torch.arange(bucket, device=dev))
-        ost.loaded_rows = 0                       # every row padding: a warm-up credits nothing
-        return ost
+        # rows 0: every row padding, so a warm-up credits nothing
+        return _ObserveStatic(on_path, z(bucket * width, k) if k else None, z(bucket, width),
+                              z(bucket) + 1, z(1), torch.arange(bucket, device=dev))
 
     def _observe_call(self, st: _Static, ost: _ObserveStatic, out: StepOutput) -> Any:
         """`GraftPlanner.observe_eager` of a bucket's build outputs with its padding rows (``>= rows``)
@@ -343,26 +342,30 @@ class StepGraphs:
         self._last = ((bucket, width), rows)
         return rows
 
-    def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
-                committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> Any:
-        """`GraftPlanner.observe_eager` with the same arguments, replayed from the observe graph of
-        the last `build` when ``out`` is that build's replayed output (the same object) and the
-        inputs have the captured layout (``on_path`` given, ``target_topk`` with at least the
-        successor table's k columns when it has one); else eager. Returns its `RoundStats`, whose
+    def observe(self, out: StepOutput, accept_index: torch.Tensor, target_logits: Optional[torch.Tensor],
+                committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> Optional[Any]:
+        """`GraftPlanner.observe_verified`'s replay: the observe graph of the last `build`, when
+        ``out`` is that build's replayed output (the same object) and the inputs have the captured
+        layout (``committed`` 2-D; ``target_logits`` given when the planner has a successor table).
+        Its inputs are loaded by two ops (`_ObserveStatic.load`). Returns its `RoundStats`, whose
         row tensors are views of the graph's buffers (valid until the next observe replay, which on
-        a stream comes after the host copy the round enqueued)."""
+        a stream comes after the host copy the round enqueued), or None when nothing was replayed
+        (the caller observes eagerly; counted in ``observe_eager``)."""
         last, self._last = self._last, None
         entry = self._observes.get(last[0]) if last is not None and out is last[1] else None
-        k = self.planner.successor_k
-        if (entry is None or on_path is None or (k > 0 and (target_topk is None or target_topk.shape[-1] < k))
-                or committed.dim() != 2):
+        if entry is None or (self.planner.successor_k > 0 and target_logits is None) or committed.dim() != 2:
             self.observe_eager += 1
-            return self.planner.observe_eager(out, on_path, target_topk, committed, accept_len, slot_ids)
+            return None
         bucket, b = last[0][0], out.tree.tokens.shape[0]
         graph, ost, stats = entry
-        ost.load(b, on_path, target_topk, committed, accept_len)
-        copy_unless_same(self._static[bucket].slots[:b], slot_ids)
+        ost.load(b, accept_index, target_logits, committed, accept_len, self._static[bucket].slots, slot_ids)
         graph.replay()
         self.observe_replays += 1
         return replace(stats, sources=stats.sources[:b], members=stats.members[:b], depths=stats.depths[:b],
                        expected=None if stats.expected is None else stats.expected[:b])
+
+    def observed_eagerly(self) -> None:
+        """A round observed without the graph (`GraftPlanner.observe`): the last replayed build is
+        no longer replayable by `observe` (counted in ``observe_eager``)."""
+        self._last = None
+        self.observe_eager += 1

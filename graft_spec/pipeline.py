@@ -56,9 +56,8 @@ from .step import DenseDraft, DraftCandidates, GraftStep, StepOutput, dense_draf
 from .stats import GraftStats, prometheus_enabled
 from .sources import (GRAFTED_SOURCES, NUM_MEMBERS, NUM_SOURCES, SOURCE_DRAFT, SOURCE_LETTERS, SOURCE_NAMES,
                       SOURCE_PADDING)
-from .tree import (DraftTree,
-                   ancestor_mask, eagle_step, node_depths, node_paths, parents_from_mask, path_min, pointer_jumps,
-                   sibling_links, chain_links)
+from .tree import (DraftTree, ancestor_mask, chain_links, eagle_step, node_depths, node_paths,
+                   on_path_from_accept_index, parents_from_mask, path_min, pointer_jumps, sibling_links)
 from .verify import greedy_verify, sample_verify
 
 #: Successor-table rows (hashed) of each request's own group under ``retrieval.isolation: request``.
@@ -86,16 +85,6 @@ __all__ = [
     # the fused kernels' switches (graft_spec/kernels): op counting, and an adapter's own fused ops
     "fused_ops_everywhere", "fused_kernels_for", "fused_op",
 ]
-
-
-def on_path_from_accept_index(accept_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """``bool[B, N]`` accepted nodes from SGLang-style ``accept_index`` (``[B, W]`` flat node ids
-    ``b * N + i`` in path order, -1 padded)."""
-    b = accept_index.shape[0]
-    base = torch.arange(b, device=accept_index.device)[:, None] * num_nodes
-    local = torch.where(accept_index >= 0, accept_index.to(torch.int64) - base, num_nodes).clamp(0, num_nodes)
-    out = torch.zeros(b, num_nodes + 1, dtype=torch.bool, device=accept_index.device)
-    return out.scatter_(1, local, True)[:, :num_nodes]
 
 
 def on_path_from_tokens(tree: DraftTree, committed: torch.Tensor, lens: torch.Tensor
@@ -668,12 +657,40 @@ class GraftPlanner:
 
     def observe(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
                 committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
-        """The round's bookkeeping: replayed from the planner's observe graph when ``out`` is the
-        output of the round's replayed build (`StepGraphs.observe`), else `observe_eager`.
-        Arguments and result as `observe_eager`."""
+        """The round's bookkeeping from the accepted-node mask, run eagerly (`observe_eager`, whose
+        arguments and result these are). An engine that reports SGLang's accept index calls
+        `observe_verified`, which replays the observe graph."""
         if self.graphs is not None:
-            return self.graphs.observe(out, on_path, target_topk, committed, accept_len, slot_ids)
+            self.graphs.observed_eagerly()
         return self.observe_eager(out, on_path, target_topk, committed, accept_len, slot_ids)
+
+    def observe_verified(self, out: StepOutput, accept_index: torch.Tensor, target_logits: Optional[torch.Tensor],
+                         committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:
+        """The round's bookkeeping from a verify outcome in SGLang's layout: replayed from the
+        planner's observe graph when ``out`` is the output of the round's replayed build
+        (`StepGraphs.observe`: two ops load the inputs), else `observe_eager` of the accepted nodes
+        (`on_path_from_accept_index`) and the successor table's top-k of ``target_logits``.
+
+        Args:
+            out: the round's `StepOutput` ``[B, N]``, N >= 2.
+            accept_index: ``int[B, W]`` SGLang's flat accepted node ids (``b * N + i`` in path
+                order, -1 padded; ``EagleVerifyOutput.accept_index``).
+            target_logits: ``float[>= B * N, V]`` the target's logits at every node, row ``b * N + i``
+                (SGLang's ``next_token_logits``), or None (no successor update).
+            committed: ``int[B, >= accept_len]`` committed tokens; accept_len: ``int[B]``;
+            slot_ids: ``int[B]`` engine slots.
+        Returns:
+            `RoundStats`, as `observe_eager`.
+        """
+        if self.graphs is not None:
+            stats = self.graphs.observe(out, accept_index, target_logits, committed, accept_len, slot_ids)
+            if stats is not None:
+                return stats
+        b, n = out.tree.tokens.shape
+        k = self.successor_k
+        topk = None if not k or target_logits is None else torch.topk(target_logits[: b * n], k, dim=-1).indices
+        return self.observe_eager(out, on_path_from_accept_index(accept_index, n), topk, committed, accept_len,
+                                  slot_ids)
 
     def observe_eager(self, out: StepOutput, on_path: Optional[torch.Tensor], target_topk: Optional[torch.Tensor],
                       committed: torch.Tensor, accept_len: torch.Tensor, slot_ids: torch.Tensor) -> RoundStats:

@@ -39,7 +39,7 @@ __all__ = [
     "node_paths", "leaf_mask", "has_duplicate_siblings", "validate_parents",
     "path_min", "pointer_jumps", "sentinel_parents", "pointer_rounds", "order_key", "top_mask", "eagle_rerank", "eagle_step",
     "HASH_MIX", "HASH_ADD", "HASH_POW",
-    "tree_from_selection",
+    "tree_from_selection", "on_path_from_accept_index",
 ]
 
 
@@ -592,3 +592,20 @@ def eagle_step(step: int, probs_topk: torch.Tensor, tokens_topk: torch.Tensor,
     best_p, best_i = torch.topk(expand.flatten(1), topk, dim=1)
     parents = best_i + (topk * topk * (step - 1) + topk)
     return ((expand, tokens_topk.reshape(b, topk * topk).to(torch.int64), parents), best_p, best_i)
+
+
+def on_path_from_accept_index(accept_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Which nodes of a verified tree the target accepted, from an engine's accept index.
+
+    Args:
+        accept_index: ``int[B, W]`` SGLang-style flat node ids ``b * N + i`` of the accepted path
+            in path order, -1 padded (``EagleVerifyOutput.accept_index``, eagle_info.py).
+        num_nodes: N, the tree's width.
+    Returns:
+        ``bool[B, N]``: True at the accepted nodes (the root included).
+    """
+    b = accept_index.shape[0]
+    base = torch.arange(b, device=accept_index.device)[:, None] * num_nodes
+    local = torch.where(accept_index >= 0, accept_index.to(torch.int64) - base, num_nodes).clamp(0, num_nodes)
+    out = torch.zeros(b, num_nodes + 1, dtype=torch.bool, device=accept_index.device)
+    return out.scatter_(1, local, True)[:, :num_nodes]

@@ -11,8 +11,9 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
   launch-bound cost the GPU sees when nothing else hides it);
 * ``graphs``: what the worker runs on CUDA: `graft_spec.graphs.StepGraphs` replays ``build`` from a
   CUDA graph (input copies, one replay; the outputs are views) and ``observe`` replays its own
-  graph over the build graph's outputs (input copies, one replay; wall time per round with a
-  synchronise). Capture succeeding is itself the check that the step has no host read, no
+  graph over the build graph's outputs (the successor table's top-k of the verify logits and one
+  load op, one replay; wall time per round with a synchronise). ``topk_ms`` is that top-k alone
+  (``[B * N, vocab]`` bf16 logits), part of the observe figures. Capture succeeding is itself the check that the step has no host read, no
   host-to-device copy of a fresh Python value and no data-dependent shape; every replayed tree
   is compared with an eager build of the same inputs;
 * ``host_side``: the host work that runs off the critical path (suffix proposals + buffer fill for
@@ -48,7 +49,6 @@ sys.path.insert(0, str(REPO))
 
 from graft_spec.graphs import StepGraphs  # noqa: E402
 from graft_spec.kernels.dispatch import REFERENCE_ENV  # noqa: E402
-from graft_spec.pipeline import on_path_from_accept_index  # noqa: E402
 from graft_spec.step import DenseDraft  # noqa: E402
 from sglang_patch.bench.step import dense_lists, workload  # noqa: E402  (no engine import)
 
@@ -145,7 +145,6 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
                 "seq": torch.tensor(ctx, device=dev) - 1,
                 "host": host,
                 "accept": torch.randint(0, 3, (b,), generator=gen).to(dev),
-                "topk_ids": torch.randint(0, vocab, (b, n, planner.successor.k), generator=gen).to(dev),
                 "committed": torch.randint(0, vocab, (b, n), generator=gen).to(dev)}, host_s
 
     def dense(x):
@@ -155,13 +154,16 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     def build(x, sampled):
         return planner.build(dense(x), x["roots"], x["host"], slots, x["seq"], sampled)
 
+    # the target's verify logits, one row per node (the observe takes the successor table's top-k of them)
+    logits = torch.randn(b * n, vocab, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
     def observe(out, x):
-        """A verify outcome: the root's first child chain up to x["accept"] nodes, then bookkeeping."""
+        """A verify outcome: the root's first child chain up to x["accept"] nodes, then bookkeeping
+        from SGLang's layout (`GraftPlanner.observe_verified`, as the server calls it)."""
         idx = torch.arange(n, device=dev)
         first_chain = (out.depth == idx) & (idx <= x["accept"][:, None])
         accept = torch.where(first_chain, idx + torch.arange(b, device=dev)[:, None] * n, -1)
-        return planner.observe(out, on_path_from_accept_index(accept, n), x["topk_ids"], x["committed"],
-                               x["accept"] + 1, slots)
+        return planner.observe_verified(out, accept, logits, x["committed"], x["accept"] + 1, slots)
 
     def round_fn(x):
         """build + observe of one round (the device work between draft and the next draft)."""
@@ -231,7 +233,15 @@ def bench_shape(b: int, n: int, rounds: int, vocab: int, seed: int = 0, device: 
     build_kernels = _kernels(lambda: graphs.build(*args), sync)   # input copies + replay (the outputs are views)
     out = graphs.build(*args)
     observe_kernels = _kernels(lambda: observe(out, x), sync)
-    row.update(graphs_ms_per_round=_median_ms(graph_t), graph_kernels_per_replay=kernels,
+    topk_t = []
+    for it in range(rounds + 3):
+        sync()
+        t0 = time.perf_counter()
+        torch.topk(logits, planner.successor_k, dim=-1)
+        sync()
+        if it >= 3:
+            topk_t.append(time.perf_counter() - t0)
+    row.update(graphs_ms_per_round=_median_ms(graph_t), topk_ms=_median_ms(topk_t), graph_kernels_per_replay=kernels,
                build_kernels_per_round=build_kernels,
                observe_kernels_per_round=observe_kernels,
                graph_trees_equal_eager=all(equal), replays=graphs.replays,

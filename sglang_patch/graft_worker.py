@@ -21,7 +21,7 @@ Per decode round (``EAGLEWorkerV2.forward_batch_generation``, ``eagle_worker_v2.
    drafting (the gate's floor) and the build reuses them (``RoundRetrieval``).
 4. **Verify** — SGLang's ``run_eagle_verify`` (greedy, or target-only tree sampling; the CPU layer
    routes both to ``graft_spec.verify``). `GraftWorker.verify` then runs the device bookkeeping
-   (``GraftPlanner.observe``: calibration counts, successor table, commit log) and attaches a
+   (``GraftPlanner.observe_verified``: calibration counts, successor table, commit log) and attaches a
    ``DeviceAuxiliaryOutput`` (``managers/auxiliary_output.py``): SGLang copies it to the host with its
    own result copy and calls ``consume`` before streaming, where per-token sources and counters are
    recorded (`GraftRequestTracker.record`). No host read in the worker's decode path.
@@ -68,7 +68,7 @@ from sglang.srt.speculative import eagle_worker_v2 as _ev2
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker, EAGLEWorkerV2
 
 from graft_spec.pipeline import (BatchBudget, DenseDraft, DraftStopGate, GraftPlanner, GraftStats, HostCandidates,
-                                 RoundStats, StepOutput, kernel_path, on_path_from_accept_index, prometheus_enabled,
+                                 RoundStats, StepOutput, kernel_path, prometheus_enabled,
                                  use_reference_kernels)
 from sglang_patch.args import effective_graft_config
 from sglang_patch.containment import FollowingGate, RoundGuard
@@ -651,15 +651,13 @@ class GraftWorker(EAGLEWorkerV2):
     def _after_verify(self, batch, vi: GraftVerifyInput, result) -> None:
         out = vi.graft_out
         bs, n = out.tree.tokens.shape
-        topk_ids = None
-        logits = result.logits_output.next_token_logits
-        # a plain round's root carries no isolation group: its successor update is skipped
-        if self.planner.successor_k and logits is not None and n > 1:
-            topk_ids = torch.topk(logits[: bs * n], self.planner.successor_k, dim=-1).indices
-        on_path = on_path_from_accept_index(result.accept_index, n) if n > 1 else None
         committed = result.next_token_ids.view(bs, -1)
-        stats = self.planner.observe(out, on_path, topk_ids, committed, result.accept_lens,
-                                     batch.req_pool_indices)
+        if n > 1:   # the verify outcome as SGLang reports it: the planner takes the top-k it learns from
+            logits = result.logits_output.next_token_logits if self.planner.successor_k else None
+            stats = self.planner.observe_verified(out, result.accept_index, logits, committed, result.accept_lens,
+                                                  batch.req_pool_indices)
+        else:       # a one-node tree: nothing accepted beyond the root, and its root learns nothing
+            stats = self.planner.observe(out, None, None, committed, result.accept_lens, batch.req_pool_indices)
         stats.sources = stats.sources.to(torch.int8)
         result.logits_output.auxiliary_device_output = append_auxiliary_output(
             result.logits_output.auxiliary_device_output, _RoundDevice(self, stats))

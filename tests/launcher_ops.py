@@ -33,7 +33,7 @@ LAUNCHERS = (
     "graft_spec.kernels.successor:successor_update_triton", "graft_spec.kernels.refresh:refresh_triton",
     "graft_spec.kernels.tree_sample:tree_sample_triton", "sglang_patch.tree_mask:verify_mask_triton",
     "graft_spec.kernels.tree_attention:paged_tree_attention_triton",
-    "graft_spec.kernels.inputs:load_rows_triton",
+    "graft_spec.kernels.inputs:load_rows_triton", "graft_spec.kernels.inputs:load_outcome_triton",
 )
 #: ops that launch no kernel: views and allocations
 FREE_OPS = frozenset({"view", "_unsafe_view", "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "t",

@@ -18,10 +18,11 @@ import torch
 
 from graft_spec.config import GraftConfig
 from graft_spec.graphs import StepGraphs
-from graft_spec.pipeline import GraftPlanner
+from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
 from graft_spec.step import DenseDraft, StepOutput
 
+from graft_spec.kernels import fused_ops_everywhere
 from sglang_patch.bench.step import OpCounter
 from test_core_step import dense_inputs
 
@@ -161,6 +162,35 @@ def test_host_proposals_uploaded_into_the_input_block_are_not_copied():
     assert graphs.host_destination(17) is None                    # above the largest bucket: eager
 
 
+def test_verify_outcome_is_loaded_by_two_ops():
+    """After a replayed build, `GraftPlanner.observe_verified` loads SGLang's verify outcome into the
+    observe graph by two ops (the successor table's top-k straight into the captured buffer; the
+    accepted nodes, committed tokens, accept lengths, slots and batch size by ``graft::load_outcome``,
+    counted as one launch inside `fused_ops_everywhere`) and replays; the planner state equals an
+    eager observe of the same round."""
+    eager, planner = _planner("cpu"), _planner("cpu")
+    graphs = StepGraphs(planner, TOPK, STEPS, buckets=[4], widths=[24])
+    graphs.capture(FxRecorder())
+    planner.graphs = graphs
+    args = _inputs(3, 11, "cpu", planner.buffer.width)
+    out, want = planner.build(*args), eager.build(*args)
+    outcome = _verify(out, VOCAB, torch.Generator().manual_seed(5))
+    b, n = out.tree.tokens.shape
+    ost = graphs._observes[(4, 24)][1]
+    ost.load(b, *outcome, graphs._static[4].slots, args[3])       # allocates the top-k values once
+    with fused_ops_everywhere(), OpCounter() as load:
+        ost.load(b, *outcome, graphs._static[4].slots, args[3])
+    assert load.ops == 2, load.names
+    assert torch.equal(ost.on_path[:b], on_path_from_accept_index(outcome[0], n)) and int(ost.rows) == b
+    replayed = planner.observe_verified(out, *outcome, args[3])
+    stats = eager.observe_verified(want, *outcome, args[3])
+    assert graphs.observe_replays == 1
+    assert torch.equal(replayed.sources, stats.sources) and torch.equal(replayed.members, stats.members)
+    for name, w in _state(eager).items():
+        g = _state(planner)[name]
+        assert torch.equal(w, g[:32] if name in ("request", "history", "count") else g), name
+
+
 @cuda
 def test_replay_equals_eager_for_padded_batches_and_updated_tables():
     planner = _planner("cuda")
@@ -187,7 +217,8 @@ def test_replay_equals_eager_for_padded_batches_and_updated_tables():
 def _verify(out: StepOutput, vocab: int, gen: torch.Generator):
     """A deterministic stand-in for the target: the accepted path ends at the first of the deepest
     nodes whose path tokens are all ``!= 0 (mod 3)``; the bonus is drawn from ``gen``. Returns
-    ``observe``'s ``(on_path, target_topk, committed, accept_len)``."""
+    ``observe_verified``'s ``(accept_index, target_logits, committed, accept_len)`` in SGLang's
+    layout (accept index ``[B, N]`` in path order, -1 padded; logits ``[B * N, vocab]``)."""
     tree = out.tree
     b, n = tree.tokens.shape
     dev = tree.tokens.device
@@ -203,8 +234,10 @@ def _verify(out: StepOutput, vocab: int, gen: torch.Generator):
                            torch.zeros(b, 1, dtype=torch.int64, device=dev)], 1)
     bonus = torch.randint(0, vocab, (b,), generator=gen).to(dev)
     committed.scatter_(1, (accept_len - 1)[:, None], bonus[:, None])
-    topk = torch.randint(0, vocab, (b, n, 8), generator=gen).to(dev)
-    return on_path, topk, committed, accept_len
+    logits = torch.randn(b * n, vocab, generator=gen).to(dev)
+    accept_index = torch.where(torch.arange(n, device=dev) < accept_len[:, None],
+                               order + torch.arange(b, device=dev)[:, None] * n, -1)
+    return accept_index, logits, committed, accept_len
 
 
 def _state(planner: GraftPlanner) -> dict:
@@ -229,8 +262,8 @@ def _run_rounds(planner: GraftPlanner, build, rounds: int, b: int, device: str, 
         host = _packed(host) if rnd % 2 else host              # as uploaded (one block) every other round
         out = build(draft, roots, host, slots, seq_lens, sampled)
         trees.append(torch.stack([out.tree.tokens, out.tree.parents, out.tree.source]).cpu())
-        on_path, topk, committed, accept_len = _verify(out, vocab, gen)
-        stats = planner.observe(out, on_path, topk, committed, accept_len, slots)
+        accept_index, logits, committed, accept_len = _verify(out, vocab, gen)
+        stats = planner.observe_verified(out, accept_index, logits, committed, accept_len, slots)
         assert stats.members.shape[0] == stats.depths.shape[0] == b          # per row, padding rows cut
         metrics = metrics + torch.cat([stats.members.sum(0).reshape(-1), stats.depths.sum(0).reshape(-1)]).cpu()
         roots = committed.gather(1, (accept_len - 1)[:, None])[:, 0]
@@ -326,12 +359,16 @@ def test_observe_of_another_tree_runs_eagerly():
     gen = torch.Generator().manual_seed(3)
     args = _inputs(3, 5, "cpu", planner.buffer.width)
     out = planner.build(*args)
-    planner.observe(out, *_verify(out, VOCAB, gen), args[3])
+    planner.observe_verified(out, *_verify(out, VOCAB, gen), args[3])
     assert (graphs.replays, graphs.observe_replays) == (1, 1)
-    planner.observe(out, *_verify(out, VOCAB, gen), args[3])              # the same build again: eager
+    planner.observe_verified(out, *_verify(out, VOCAB, gen), args[3])     # the same build again: eager
     other = planner.build_eager(*args)
-    planner.observe(other, *_verify(other, VOCAB, gen), args[3])
-    assert (graphs.observe_replays, graphs.observe_eager) == (1, 2)
+    planner.observe_verified(other, *_verify(other, VOCAB, gen), args[3])
+    again = planner.build(*args)
+    on_path = on_path_from_accept_index(_verify(again, VOCAB, gen)[0], 24)
+    planner.observe(again, on_path, None, *_verify(again, VOCAB, gen)[2:], args[3])   # the on-path mask: eager
+    planner.observe_verified(again, *_verify(again, VOCAB, gen), args[3])  # ... and its build is used up
+    assert (graphs.replays, graphs.observe_replays, graphs.observe_eager) == (2, 1, 4)
 
 
 @cuda

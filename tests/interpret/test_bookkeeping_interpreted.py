@@ -209,3 +209,34 @@ def test_load_rows_kernel_equals_reference(b, bucket, dtype):
     for ref, ker in zip(*outs):
         assert ref.dtype == ker.dtype and torch.equal(ref, ker)
     assert torch.equal(outs[0][0][:b], srcs[0].long()) and (outs[0][0][b:] == -3).all()
+
+
+@pytest.mark.parametrize("b,bucket,n,w,dtype", [(1, 1, 12, 5, torch.int64), (5, 8, 24, 6, torch.int32),
+                                                (70, 96, 60, 8, torch.int64)])
+def test_load_outcome_kernel_equals_reference(b, bucket, n, w, dtype):
+    """A verified round into an observe's buffers: accepted paths of every length (the root alone
+    up to ``w`` nodes) in SGLang's accept index, committed tokens wider than the buffer read through
+    a strided view, integer inputs of either width; the rows past the batch untouched."""
+    from graft_spec.kernels.inputs import load_outcome_reference, load_outcome_triton
+    from graft_spec.tree import on_path_from_accept_index
+
+    g = torch.Generator().manual_seed(b)
+    lens = torch.randint(1, w + 1, (b,), generator=g)
+    nodes = torch.sort(torch.rand(b, n, generator=g)[:, 1:].argsort(1)[:, : w - 1] + 1, dim=1).values
+    path = torch.cat([torch.zeros(b, 1, dtype=torch.int64), nodes], 1) + torch.arange(b)[:, None] * n
+    accept = torch.where(torch.arange(w) < lens[:, None], path, -1).to(dtype)
+    committed = torch.randint(0, 5000, (b, 2 * (n + 3)), generator=g).to(dtype)[:, ::2]    # [b, n + 3], strided
+    srcs = (accept, committed, lens.to(dtype), torch.randperm(bucket, generator=g)[:b])
+    outs = []
+    for fn in (load_outcome_reference, load_outcome_triton):
+        bufs = [torch.ones(bucket, n, dtype=torch.bool), torch.full((bucket, n), -3, dtype=torch.int64),
+                torch.full((bucket,), -3, dtype=torch.int64), torch.full((bucket,), -3, dtype=torch.int64),
+                torch.full((1,), -3, dtype=torch.int64)]
+        fn(*bufs, *srcs)
+        outs.append(bufs)
+    for ref, ker in zip(*outs):
+        assert ref.dtype == ker.dtype and torch.equal(ref, ker)
+    ref = outs[0]
+    assert torch.equal(ref[0][:b], on_path_from_accept_index(accept, n)) and ref[0][b:].all()
+    assert torch.equal(ref[0][:b].sum(1), lens) and int(ref[4]) == b
+    assert torch.equal(ref[1][:b], committed[:, :n].long()) and (ref[1][b:] == -3).all()
