@@ -26,8 +26,9 @@ The round's bookkeeping is captured too, as a second graph per (bucket, width): 
 replayed build loads the engine's verify outcome into its static inputs in two ops (the target's
 top-k by ``torch.topk`` into the captured buffer; the accepted nodes from SGLang's accept index, the
 committed tokens, accept lengths and slots by `kernels.inputs.load_outcome`) and replays
-`GraftPlanner.observe_eager` over the build graph's outputs in place; the padding rows are masked inside the graph (no member bins,
-padding sources, the planner's dump slot), so they credit and learn nothing. Its `RoundStats` row
+`GraftPlanner.observe_eager` over the build graph's outputs in place; the padding rows are masked
+inside the graph (no member bins, padding sources, the planner's dump slot), so they credit and
+learn nothing. Its `RoundStats` row
 tensors are views, like the build's outputs. A tree that is not the last replayed build's output
 (an eager build, a tree broadcast from another tensor-parallel rank) is observed eagerly.
 

@@ -13,9 +13,9 @@ selection, successor table, device lookup, host suffix candidates; Qwen3 vocabul
   CUDA graph (input copies, one replay; the outputs are views) and ``observe`` replays its own
   graph over the build graph's outputs (the successor table's top-k of the verify logits and one
   load op, one replay; wall time per round with a synchronise). ``topk_ms`` is that top-k alone
-  (``[B * N, vocab]`` bf16 logits), part of the observe figures. Capture succeeding is itself the check that the step has no host read, no
-  host-to-device copy of a fresh Python value and no data-dependent shape; every replayed tree
-  is compared with an eager build of the same inputs;
+  (``[B * N, vocab]`` bf16 logits), part of the observe figures. Capture succeeding is itself the
+  check that the step has no host read, no host-to-device copy of a fresh Python value and no
+  data-dependent shape; every replayed tree is compared with an eager build of the same inputs;
 * ``host_side``: the host work that runs off the critical path (suffix proposals + buffer fill for
   the batch, CPU wall time), overlapped with drafting on a GPU.
 

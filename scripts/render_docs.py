@@ -335,7 +335,8 @@ def paired(bench: Bench) -> str:
         rows.append([mode, c, ", ".join(f"{x:.1f}" for x in windows[methods[0]]),
                      ", ".join(f"{x:.1f}" for x in windows[methods[1]]),
                      ", ".join(f"{x:.2f}" for x in other["ratios"]), f"**{other['median_ratio']:.2f}**",
-                     "-" if cpu is None else f"{cpu['median_ratio']:.3f} ({cpu['min_ratio']:.3f}-{cpu['max_ratio']:.3f})"])
+                     "-" if cpu is None
+                     else f"{cpu['median_ratio']:.3f} ({cpu['min_ratio']:.3f}-{cpu['max_ratio']:.3f})"])
     return _md(["mode", "concurrency", f"{methods[0]} tokens/s per window", f"{methods[1]} tokens/s per window",
                 "ratio per pair", "median ratio", "per CPU-second: median (range)"], rows)
 
