@@ -331,14 +331,11 @@ def paired(bench: Bench) -> str:
                        if w["method"] == m and str(w["concurrency"]) == c and w.get("mode", "greedy") == mode]
                    for m in methods}
         other = per[methods[1]]
-        cpu = d.get("pairs_cpu", {}).get(cell, {}).get(methods[1])   # tokens per CPU-second, when measured
         rows.append([mode, c, ", ".join(f"{x:.1f}" for x in windows[methods[0]]),
                      ", ".join(f"{x:.1f}" for x in windows[methods[1]]),
-                     ", ".join(f"{x:.2f}" for x in other["ratios"]), f"**{other['median_ratio']:.2f}**",
-                     "-" if cpu is None
-                     else f"{cpu['median_ratio']:.3f} ({cpu['min_ratio']:.3f}-{cpu['max_ratio']:.3f})"])
+                     ", ".join(f"{x:.2f}" for x in other["ratios"]), f"**{other['median_ratio']:.2f}**"])
     return _md(["mode", "concurrency", f"{methods[0]} tokens/s per window", f"{methods[1]} tokens/s per window",
-                "ratio per pair", "median ratio", "per CPU-second: median (range)"], rows)
+                "ratio per pair", "median ratio"], rows)
 
 
 def _paired_median(cell: str) -> Callable[[Bench], str]:

@@ -42,7 +42,6 @@ def test_paired_windows_measure_both_servers(quick_models, tmp_path):
     assert rc == 0
     assert [(w["method"], w["rep"]) for w in data["windows"]] == \
         [("nospec", 0), ("graft_plain", 0), ("graft_plain", 1), ("nospec", 1)]   # ABBA
-    assert all(w["tokens_per_s"] > 0 and w["tokens_per_cpu_s"] > 0 for w in data["windows"])
-    assert len(data["pairs_cpu"]["greedy c2"]["graft_plain"]["ratios"]) == 2
+    assert all(w["tokens_per_s"] > 0 for w in data["windows"])
     plain = data["pairs"]["greedy c2"]["graft_plain"]
     assert len(plain["ratios"]) == 2 and plain["min_ratio"] <= plain["median_ratio"] <= plain["max_ratio"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -202,24 +201,6 @@ def test_paired_ratios_pair_windows_of_the_same_repetition():
     assert out["greedy c8"]["graft_plain"]["ratios"] == [0.8] and out["sampled c8"]["graft_plain"]["ratios"] == [0.9]
     with pytest.raises(ValueError, match="no nospec window"):
         paired_ratios(w + [{"method": "graft_plain", "concurrency": 8, "rep": 1, "tokens_per_s": 1.0}])
-
-
-def test_paired_ratios_of_tokens_per_cpu_second_and_the_group_cpu_clock():
-    """The same pairing for another field (tokens per CPU-second); `group_cpu_seconds` of this
-    process's group grows by the CPU this process spends."""
-    import os
-
-    from sglang_patch.bench.paired import group_cpu_seconds, paired_ratios
-
-    w = [{"method": m, "concurrency": 1, "rep": r, "tokens_per_s": 1.0, "tokens_per_cpu_s": t}
-         for m, r, t in [("nospec", 0, 50.0), ("graft_plain", 0, 45.0), ("nospec", 1, 40.0), ("graft_plain", 1, 38.0)]]
-    cpu = paired_ratios(w, field="tokens_per_cpu_s")["greedy c1"]["graft_plain"]
-    assert cpu["ratios"] == [0.9, 0.95] and cpu["median_tokens_per_cpu_s"] == 41.5
-    before = group_cpu_seconds(os.getpgid(0))
-    t = time.process_time()
-    while time.process_time() - t < 0.3:
-        pass
-    assert group_cpu_seconds(os.getpgid(0)) - before >= 0.25
 
 
 def test_interleaved_runs_alternate_the_server_order():

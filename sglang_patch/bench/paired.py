@@ -13,13 +13,6 @@ for its share) over the window's length. Windows of one repetition form a pair; 
 to the reference (``nospec``) is taken per pair, and the median over the pairs is reported next to
 its range.
 
-Each window also reads the CPU seconds (user + system) the server's processes used in it
-(`group_cpu_seconds`: the HTTP front end, scheduler and detokenizer, one process group), so tokens
-per CPU-second is paired the same way (``pairs_cpu``). Wall time counts the time slices other
-processes on the two cores take from the server (the load generator's threads among them); CPU time
-counts only the work the server did, so its ratio is the plain round's own cost with that noise
-left out. The tokens/s ratio stays the figure a user sees.
-
 Not SGLang's ``sglang:generation_tokens_total``: that counter grows when a request *finishes*
 (``TokenizerManager`` -> ``observe_one_finished_request``, metrics_collector.py:2092), so a window
 counted whole requests. At concurrency 1 (64 tokens, ~1.4 s a request) a 10 s window held 7 of them
@@ -40,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -51,7 +43,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 import httpx
-import psutil
 
 from sglang_patch.bench.methods import MethodSpec, interleave_order
 from sglang_patch.bench.prompts import load_prompts
@@ -92,47 +83,29 @@ def window_tokens(requests: Sequence[Tuple[float, float, int]], t0: float, t1: f
     return total
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group ``pgid`` (a
-    server started in its own session: its front end and the scheduler and detokenizer processes
-    it started). Processes that end between reads are skipped."""
-    total = 0.0
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                t = proc.cpu_times()
-                total += t.user + t.system
-        except (psutil.Error, ProcessLookupError):
-            continue
-    return total
-
-
-def paired_ratios(windows: Sequence[Dict[str, Any]], reference: str = "nospec",
-                  field: str = "tokens_per_s") -> Dict[str, Dict[str, Any]]:
-    """Per cell (mode and concurrency) and method, the ratios of its ``field`` (tokens/s, or
-    ``"tokens_per_cpu_s"``) to ``reference``'s in the same repetition (a pair), their median, min
-    and max, and the medians of ``field``.
+def paired_ratios(windows: Sequence[Dict[str, Any]], reference: str = "nospec") -> Dict[str, Dict[str, Any]]:
+    """Per cell (mode and concurrency) and method, the ratios of its tokens/s to ``reference``'s in
+    the same repetition (a pair), their median, min and max, and the medians of tokens/s.
 
     Args:
-        windows: rows ``{"method", "concurrency", "rep", field}`` and optionally ``"mode"``
+        windows: rows ``{"method", "concurrency", "rep", "tokens_per_s"}`` and optionally ``"mode"``
             (``"greedy"`` when absent).
-        reference: the method every ratio is taken to; field: the row field compared.
     Returns:
         ``{"<mode> c<concurrency>": {method: {"ratios", "median_ratio", "min_ratio", "max_ratio",
-        "median_<field>"}}}`` (the reference has no ratio fields).
+        "median_tokens_per_s"}}}`` (the reference has no ratio fields).
     Raises:
         ValueError: a (mode, concurrency, rep) has a method window but no reference window.
     """
     def cell_of(w):
         return (w.get("mode", "greedy"), int(w["concurrency"]))
 
-    by = {(cell_of(w), w["rep"], w["method"]): float(w[field]) for w in windows}
+    by = {(cell_of(w), w["rep"], w["method"]): float(w["tokens_per_s"]) for w in windows}
     out: Dict[str, Dict[str, Any]] = {}
     for key in sorted({cell_of(w) for w in windows}, key=lambda k: (k[0] != "greedy", k[1])):
         cell: Dict[str, Any] = {}
         for m in dict.fromkeys(w["method"] for w in windows if cell_of(w) == key):
             reps = sorted(r for (kk, r, mm) in by if kk == key and mm == m)
-            row: Dict[str, Any] = {f"median_{field}": round(statistics.median(by[(key, r, m)] for r in reps), 3)}
+            row: Dict[str, Any] = {"median_tokens_per_s": round(statistics.median(by[(key, r, m)] for r in reps), 3)}
             if m != reference:
                 missing = [r for r in reps if (key, r, reference) not in by]
                 if missing:
@@ -170,10 +143,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
 
 
 def _window(url: str, texts: Sequence[str], concurrency: int, params: Dict[str, Any], settle_s: float,
-            window_s: float, pgid: int) -> Tuple[float, float]:
-    """``(tokens/s, tokens per CPU-second)`` of the server at ``url`` (process group ``pgid``) over
-    ``window_s`` seconds with ``concurrency`` requests always in flight (`window_tokens`,
-    `group_cpu_seconds`; the requests in flight at the window's end are waited for)."""
+            window_s: float) -> float:
+    """Tokens/s of ``url`` over ``window_s`` seconds with ``concurrency`` requests always in flight
+    (`window_tokens`; the requests in flight at the window's end are waited for)."""
     stop = threading.Event()
     requests: List[Tuple[float, float, int]] = []   # (start, end, tokens); list.append is atomic
 
@@ -192,15 +164,14 @@ def _window(url: str, texts: Sequence[str], concurrency: int, params: Dict[str, 
         futures = [pool.submit(loop, i) for i in range(concurrency)]
         try:
             time.sleep(settle_s)
-            c0, t0 = group_cpu_seconds(pgid), time.perf_counter()
+            t0 = time.perf_counter()
             time.sleep(window_s)
-            t1, c1 = time.perf_counter(), group_cpu_seconds(pgid)
+            t1 = time.perf_counter()
         finally:
             stop.set()
         for f in futures:
             f.result()
-    tokens = window_tokens(requests, t0, t1)
-    return tokens / (t1 - t0), tokens / max(c1 - c0, 1e-9)
+    return window_tokens(requests, t0, t1) / (t1 - t0)
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -224,28 +195,23 @@ def main(argv: List[str] | None = None) -> int:
         for srv in everyone:   # warm up: compiled paths, first-use allocations, in every mode
             with alone(srv, everyone):
                 for mode in a.modes:
-                    _window(srv.url, texts, 4, by_mode[mode], a.settle_s, a.window_s / 2, srv.proc.pid)
+                    _window(srv.url, texts, 4, by_mode[mode], a.settle_s, a.window_s / 2)
         for mode in a.modes:
             for c in a.concurrency:
                 for rep in range(a.reps):
                     for m, srv in interleave_order(list(servers.items()), rep):
                         with alone(srv, everyone):   # the others paused: they steal no time slices
-                            tps, tpc = _window(srv.url, texts, c, by_mode[mode], a.settle_s, a.window_s,
-                                               srv.proc.pid)
+                            tps = _window(srv.url, texts, c, by_mode[mode], a.settle_s, a.window_s)
                         windows.append({"method": m, "mode": mode, "concurrency": c, "rep": rep,
-                                        "tokens_per_s": round(tps, 3), "tokens_per_cpu_s": round(tpc, 3)})
-                        print(f"{mode} c={c} rep={rep} {m}: {tps:.1f} tokens/s, {tpc:.1f} tokens per CPU-s",
-                              flush=True)
+                                        "tokens_per_s": round(tps, 3)})
+                        print(f"{mode} c={c} rep={rep} {m}: {tps:.1f} tokens/s", flush=True)
     pairs = paired_ratios(windows)
-    pairs_cpu = paired_ratios(windows, field="tokens_per_cpu_s")
-    write_json(Path(a.json), {"args": vars(a), "windows": windows, "pairs": pairs, "pairs_cpu": pairs_cpu})
+    write_json(Path(a.json), {"args": vars(a), "windows": windows, "pairs": pairs})
     for c, cell in pairs.items():
         for m, row in cell.items():
             if "median_ratio" in row:
-                cpu = pairs_cpu[c][m]
                 print(f"{c} {m}/nospec: median {row['median_ratio']:.3f} "
-                      f"(range {row['min_ratio']:.3f}-{row['max_ratio']:.3f}, {len(row['ratios'])} pairs); "
-                      f"per CPU-second {cpu['median_ratio']:.3f} ({cpu['min_ratio']:.3f}-{cpu['max_ratio']:.3f})")
+                      f"(range {row['min_ratio']:.3f}-{row['max_ratio']:.3f}, {len(row['ratios'])} pairs)")
     print(f"JSON: {a.json}")
     return 0
 
