@@ -126,8 +126,8 @@ class RoundStats:
         sources: ``int64[B, N - 1]`` the source (graft_spec/sources.py) of each accepted non-root node in path
             order, -1 after the path.
         members: ``float64[B, NUM_MEMBERS, 3]`` (trials, sum of estimates, hits) per row and member
-            source (the engines sum the rows on their host copy for `graft_spec.stats.GraftStats.record_round`:
-            no device op).
+            source (`graft_spec.stats.GraftStats.record_round` sums the rows of the host copy: no device
+            op).
         depths: ``float64[B, D + 1, 2]`` (verified, accepted) nodes per row and depth (row 0 unused).
         expected: ``float32[B, W]`` expected accept length (bonus included) of a tree of each of the
             config's verify widths (``GraftConfig.verify_widths``) from this round's candidates, and

@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
+import numpy as np
+
 from .sources import NUM_MEMBERS, SOURCE_NAMES
 
 ACCEPT_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128)
@@ -69,15 +71,19 @@ class GraftStats:
         self.last_batch_tokens = 0
         self._prom = _Prometheus() if prometheus else None
 
-    def record_round(self, sources: Sequence[Sequence[int]], members: Sequence[Sequence[float]],
-                     depths: Sequence[Sequence[float]]) -> None:
-        """One verified round.
+    def record_round(self, sources: Sequence[Sequence[int]], members, depths) -> None:
+        """One verified round, from its `graft_spec.pipeline.RoundStats` copied to the host.
 
         Args:
             sources: per request the ``SOURCE_*`` of each accepted non-root node, -1 after the path.
-            members: ``[NUM_MEMBERS][3]`` this round's (trials, sum of estimates, hits) per member.
-            depths: ``[D + 1][2]`` this round's (verified, accepted) nodes per depth (row 0 unused).
+            members: ``[B, NUM_MEMBERS, 3]`` (host tensor or nested lists) the round's (trials, sum of
+                estimates, hits) per request and member, summed here over the requests (the round
+                is the cluster of the calibration's standard error).
+            depths: ``[B, D + 1, 2]`` the round's (verified, accepted) nodes per request and depth
+                (column 0 unused), summed here over the requests.
         """
+        members = np.asarray(members, dtype=np.float64).sum(0).tolist()
+        depths = np.asarray(depths, dtype=np.float64).sum(0).tolist()
         for row in sources:
             accepted = [int(s) for s in row if s >= 0]
             for s in accepted:

@@ -139,8 +139,7 @@ class _RoundHost:
                            [1 + sum(1 for x in row if x >= 0) for row in sources],
                            width=len(sources[0]) + 1 if sources else None)
         self.worker.requests.record(batch.reqs, commits, sources)
-        # the round's metrics per row, summed here on the host copy (no device op)
-        self.worker.stats.record_round(sources, self.stats.members.sum(0).tolist(), self.stats.depths.sum(0).tolist())
+        self.worker.stats.record_round(sources, self.stats.members, self.stats.depths)   # per row, host copies
 
 
 @dataclass

@@ -106,10 +106,10 @@ def test_calibration_deltas_merge_and_text_quality():
     stats = GraftStats()
     rounds = [(10, 5.0, 8), (10, 5.0, 2), (4, 2.0, 2)]     # (trials, sum of estimates, hits) of "suffix"
     for t, e, h in rounds:
-        stats.record_round([], [[0, 0, 0]] * 2 + [[t, e, h]] + [[0, 0, 0]] * 4, [])
+        stats.record_round([], [[[0, 0, 0]] * 2 + [[t, e, h]] + [[0, 0, 0]] * 4], [[[0, 0]]])
     first = stats.summary()
     assert first["calibration"]["suffix"]["stderr"] == pytest.approx(math.sqrt(9 + 9 + 0) / 24)
-    stats.record_round([], [[0, 0, 0]] * 2 + [[6, 3.0, 6]] + [[0, 0, 0]] * 4, [])
+    stats.record_round([], [[[0, 0, 0]] * 2 + [[6, 3.0, 6]] + [[0, 0, 0]] * 4], [[[0, 0]]])
     d = calibration_delta(first, stats.summary())["suffix"]
     assert d["trials"] == 6 and d["stderr"] == pytest.approx(3.0 / 6) and d["observed"] == pytest.approx(1.0)
     both = merge_calibration([{"suffix": d}, calibration_delta({"calibration": {}}, first)])["suffix"]

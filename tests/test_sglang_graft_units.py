@@ -499,8 +499,8 @@ def test_graft_stats_mirror_to_prometheus(tmp_path, monkeypatch):
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
         from graft_spec.stats import GraftStats
         s = GraftStats(prometheus=True)
-        s.record_round([[0, 1, -1], [-1, -1, -1]], [[3, 1.5, 1], [0, 0, 0], [2, 1.2, 1], [0, 0, 0]],
-                       [[0, 0], [4, 2], [1, 0]])
+        s.record_round([[0, 1, -1], [-1, -1, -1]], [[[3, 1.5, 1], [0, 0, 0], [2, 1.2, 1], [0, 0, 0]],
+                                                    [[0, 0, 0]] * 4], [[[0, 0], [4, 2], [1, 0]], [[0, 0]] * 3])
         s.count_draft_forward(True); s.count_draft_forward(False)
         s.record_width(12, 3); s.record_width(1, 5)
         reg = CollectorRegistry(); multiprocess.MultiProcessCollector(reg)

@@ -210,8 +210,7 @@ class ChainStep:
         same &= torch.arange(width)[None, :] < lens[:, None]
         accepted = torch.cummin(same.to(torch.int64), dim=1).values.sum(1) if width else torch.zeros_like(lens)
         rows = [sources[j, : int(accepted[j])].tolist() for j in range(len(lens)) if int(lens[j]) > 0]
-        # per row: summed on the host (no device op)
-        members, depths = stats.members.cpu().sum(0).tolist(), stats.depths.cpu().sum(0).tolist()
+        members, depths = stats.members.cpu(), stats.depths.cpu()   # per row, summed by record_round
         for sink in (self.stats, prometheus_stats()):
             if sink is not None:
                 sink.record_round(rows, members, depths)

@@ -101,7 +101,7 @@ def test_graft_worker_state_appears_and_is_freed():
     reqs = [_req(f"r{i}", [rng.randrange(VOCAB) for _ in range(100)]) for i in range(3)]
     worker.requests.prepare(reqs)
     worker.stats.record_round([[SOURCE_DRAFT, SOURCE_SUCCESSOR, -1], [-1, -1, -1], [SOURCE_PADDING, -1, -1]],
-                              [[0, 0, 0]] * 5, [[0, 0]])
+                              [[[0, 0, 0]] * 5] * 3, [[[0, 0]]] * 3)
     w = server_stats.collect(_scheduler(worker))["worker"]
     assert w["live_requests"] == w["planner_live_requests"] == 3
     assert w["planner_memory_bytes"] > fixed
