@@ -28,9 +28,9 @@ top-k by ``torch.topk`` into the captured buffer; the accepted nodes from SGLang
 committed tokens, accept lengths and slots by `kernels.inputs.load_outcome`) and replays
 `GraftPlanner.observe_eager` over the build graph's outputs in place; the padding rows are masked
 inside the graph (no member bins, padding sources, the planner's dump slot), so they credit and
-learn nothing. Its `RoundStats` row
-tensors are views, like the build's outputs. A tree that is not the last replayed build's output
-(an eager build, a tree broadcast from another tensor-parallel rank) is observed eagerly.
+learn nothing. Its `RoundStats` row tensors are views, like the build's outputs. A tree that is not
+the last replayed build's output (an eager build, a tree broadcast from another tensor-parallel
+rank) is observed eagerly.
 
 Batches larger than the largest bucket, devices other than CUDA, widths not captured and drafts
 given as `DraftCandidates` run the eager `GraftPlanner.build`: same function, same result.

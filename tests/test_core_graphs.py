@@ -18,11 +18,11 @@ import torch
 
 from graft_spec.config import GraftConfig
 from graft_spec.graphs import StepGraphs
+from graft_spec.kernels import fused_ops_everywhere
 from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
 from graft_spec.retrieval.buffer import HostCandidates
 from graft_spec.step import DenseDraft, StepOutput
 
-from graft_spec.kernels import fused_ops_everywhere
 from sglang_patch.bench.step import OpCounter
 from test_core_step import dense_inputs
 
