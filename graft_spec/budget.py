@@ -31,7 +31,11 @@ width ``w`` for all requests from a small fixed set (``GraftConfig.verify_widths
   bucket, further widths only until the model can be fitted, and after that a width runs when its
   predicted value wins (and is then measured). A width that is not the current best is re-measured
   once every ``explore_every`` rounds of the bucket if its value is within ``explore_margin`` of
-  the best's.
+  the best's, or, whatever its value, once it has not run for ``explore_stale`` rounds of the
+  bucket; such a stale width's earlier times are dropped for the fresh one. Without that, a width
+  priced by times from another phase of the load (a first use, a busy machine) would never be
+  measured again: plain rounds priced high kept a batch at width 12 for good where plain ones were
+  faster, and a wide width is the only source of fresh evidence for its correction.
 * **Static shapes.** The width is uniform over the batch and comes from a fixed set, so each width
   is one CUDA-graph capture set (built at startup by the engine adapter); per-request allocation
   inside a round is by selection (a request whose candidates are worth little gets padding, which
@@ -96,7 +100,7 @@ def size_bucket(batch_size: int) -> int:
 @dataclass
 class _Timing:
     window: Deque[float]
-    samples: int = 0
+    samples: int = 0                # measurements in all (a restart keeps the count)
     last_round: int = 0
     seconds: float = 0.0            # median of the window (0 before any sample), kept by `add`
 
@@ -105,6 +109,12 @@ class _Timing:
         self.window.append(seconds)
         self.samples += 1
         self.seconds = statistics.median(self.window)   # a few floats: no array round trip
+
+    def restart(self) -> None:
+        """Drop the window's measurements (they describe an earlier phase of the load); the next
+        `add` alone sets the median. The count stays: a width measured ``min_samples`` times is
+        priced by its own times, not explored again in a burst."""
+        self.window.clear()
 
 
 @dataclass
@@ -153,7 +163,7 @@ class BatchBudget:
         self._scheduled = 0           # rounds taken from ``config.schedule``
         self._model: Optional[Tuple[float, float]] = None
         self._model_dirty = False
-        self._catch_up: Dict[int, float] = {}   # bucket -> EMA of deferred catch-up seconds per plain round
+        self._catch_up: Dict[int, _Timing] = {}   # bucket -> deferred catch-up seconds per plain round
         self.catch_up_seconds = 0.0
 
     # ------------------------------------------------------------------ decisions
@@ -239,7 +249,8 @@ class BatchBudget:
         values = {w: float(gains[self._col[w]] / max(self.cost(bucket, w, model), 1e-9)) for w in self.widths}
         best = max(self.widths, key=lambda w: (values[w], -w))
         if r % cfg.explore_every == 0:
-            near = [w for w in self.widths if w != best and values[w] >= (1.0 - cfg.explore_margin) * values[best]]
+            near = [w for w in self.widths if w != best and (values[w] >= (1.0 - cfg.explore_margin) * values[best]
+                                                            or r - self._time(bucket, w).last_round >= cfg.explore_stale)]
             if near:
                 stale = min(near, key=lambda w: self._time(bucket, w).last_round)
                 return self._pick(stale, bs, "explore", values)
@@ -258,7 +269,7 @@ class BatchBudget:
         catch-up (`catch_up_time`)."""
         t = self._time(bucket, width)
         base = self._time(bucket, self.widths[0])
-        owed = self._catch_up.get(bucket, 0.0) if width == 1 else 0.0   # the draft extends a plain round defers
+        owed = self._owed(bucket) if width == 1 else 0.0   # the draft extends a plain round defers
         if width == self.widths[0] or t.samples >= self.config.min_samples or model is None or not base.samples:
             return t.seconds + owed   # the base width is always its own measurement (never the model's)
         draft, per_token = model
@@ -302,6 +313,14 @@ class BatchBudget:
         self.rounds_by_reason[reason] = self.rounds_by_reason.get(reason, 0) + 1
         return width
 
+    def _owed(self, bucket: int) -> float:
+        """Deferred catch-up seconds per plain round for ``bucket``: the median of its last
+        `TIME_WINDOW` catch-ups once ``min_samples`` are measured, else 0. A catch-up is measured
+        only after plain rounds, so a slow first one (a first use) priced into plain rounds at once
+        could keep the budget from ever running plain rounds again to replace it."""
+        t = self._catch_up.get(bucket)
+        return t.seconds if t is not None and t.samples >= self.config.min_samples else 0.0
+
     def _time(self, bucket: int, width: int) -> _Timing:
         t = self._timing.get((bucket, width))
         if t is None:
@@ -316,10 +335,13 @@ class BatchBudget:
             return
         bucket = size_bucket(batch_size)
         t = self._time(bucket, width)
+        now = self._rounds.get(bucket, 0)
+        if t.samples and now - t.last_round >= self.config.explore_stale:
+            t.restart()   # re-measured after a long pause: the fresh time replaces the earlier ones
         t.add(float(seconds))
         self.seconds_by_width[width] += float(seconds)
         self._model_dirty = True
-        t.last_round = self._rounds.get(bucket, 0)
+        t.last_round = now
 
     def catch_up_time(self, batch_size: int, rounds: int, seconds: float) -> None:
         """A deferred draft catch-up (sglang_patch/deferred_draft.py) of ``batch_size`` requests that
@@ -335,9 +357,10 @@ class BatchBudget:
         if rounds <= 0 or seconds <= 0:
             return
         bucket = size_bucket(batch_size)
-        per_round = float(seconds) / max(rounds, self.widths[-1])   # as a full stretch pays it
-        old = self._catch_up.get(bucket)
-        self._catch_up[bucket] = per_round if old is None else 0.8 * old + 0.2 * per_round
+        t = self._catch_up.get(bucket)
+        if t is None:
+            t = self._catch_up[bucket] = _Timing(deque(maxlen=TIME_WINDOW))
+        t.add(float(seconds) / max(rounds, self.widths[-1]))   # as a full stretch pays it
         self.catch_up_seconds += float(seconds)
 
     def observe(self, rids: Sequence[Hashable], expected: Optional[np.ndarray],
@@ -404,7 +427,7 @@ class BatchBudget:
                 "width_correction": {f"{b}x{w}": round(self.width_correction(b, w), 4)
                                      for (b, w) in sorted(self._by_width)},
                 "round_ms": times, "tracked_requests": len(self._curve),
-                "catch_up_ms_per_plain_round": {str(b): round(v * 1e3, 3) for b, v in sorted(self._catch_up.items())},
+                "catch_up_ms_per_plain_round": {str(b): round(self._owed(b) * 1e3, 3) for b in sorted(self._catch_up)},
                 "catch_up_seconds": round(self.catch_up_seconds, 3),
                 "cost_model": (None if model is None else
                                {"draft_ms": round(model[0] * 1e3, 3), "per_token_ms": round(model[1] * 1e3, 4)})}

@@ -276,8 +276,15 @@ class BatchBudgetConfig(BaseModel):
         explore_margin: only a width whose estimated tokens/s is within this fraction of the best
             width's is re-measured (a width priced far out, e.g. 24-wide trees at 32 requests on a
             CPU, is not re-run every ``explore_every`` rounds to confirm it).
+        explore_stale: rounds of one batch-size bucket after which a width not run since is
+            re-measured at the next ``explore_every`` turn whatever its estimated value, and its
+            earlier times are dropped for the fresh one: a width priced out by times measured in
+            another phase of the load (a slow first use, a busy machine) is priced again, and a wide
+            width's rounds refresh the correction of its expected gain, which plain rounds never
+            do. The exploration cost stays at most 1 round in ``explore_every``.
         min_samples: round times measured per (batch-size bucket, width) before its own median
-            replaces the cost model's prediction (`graft_spec.budget.BatchBudget.cost_model`).
+            replaces the cost model's prediction (`graft_spec.budget.BatchBudget.cost_model`), and
+            deferred draft catch-ups measured per bucket before plain rounds are charged for them.
         defer_draft_extend: plain (width-1) rounds skip the EAGLE draft extend; the draft catches
             up over the skipped tokens in one extend before the next drafting round (or when a
             request has ``max(widths)`` waiting). false = SGLang's behaviour, an extend every round.
@@ -296,6 +303,7 @@ class BatchBudgetConfig(BaseModel):
     widths: tuple[int, ...] = ()
     explore_every: int = Field(default=64, ge=2, le=1_000_000)
     explore_margin: float = Field(default=0.25, ge=0.0, le=1.0)
+    explore_stale: int = Field(default=512, ge=2, le=1_000_000)
     min_samples: int = Field(default=3, ge=1, le=1000)
     defer_draft_extend: bool = True
     schedule: tuple[int, ...] = ()

@@ -273,3 +273,22 @@ def test_sampled_seeds_average_rates_and_sum_counts():
     assert row["seed"] == [0, 1] and row["tau_per_seed"] == [2.0, 3.0]
     assert row["tau"] == pytest.approx(2.5) and row["output_tokens"] == pytest.approx(60.0)
     assert row["verify_steps"] == 50 and row["accept_hist"] == [0, 10, 20, 10, 10]
+
+
+def test_budget_view_is_the_run_delta_for_its_buckets():
+    """A bench row's ``budget``: rounds per reason during the run, and the round times, corrections
+    and catch-up charge of the batch-size buckets the run's concurrency reaches."""
+    from sglang_patch.bench.__main__ import _budget_view
+
+    before = {"batch_budget": {"rounds_by_reason": {"explore": 5, "best": 100},
+                               "round_ms": {"1": {"1": 15.0, "12": 50.0}}}}
+    after = {"batch_budget": {"rounds_by_reason": {"explore": 7, "best": 160, "opt-out": 3},
+                              "round_ms": {"1": {"1": 14.0, "12": 52.0}, "4": {"1": 20.0}, "16": {"1": 40.0}},
+                              "correction": 0.8, "width_correction": {"1x12": 0.7, "16x12": 0.5},
+                              "catch_up_ms_per_plain_round": {"1": 0.3, "16": 1.0}, "cost_model": None}}
+    view = _budget_view(before, after, 4)
+    assert view["rounds_by_reason"] == {"explore": 2, "best": 60, "opt-out": 3}
+    assert view["round_ms"] == {"1": {"1": 14.0, "12": 52.0}, "4": {"1": 20.0}}
+    assert view["round_ms_before"] == {"1": {"1": 15.0, "12": 50.0}}
+    assert view["width_correction"] == {"1x12": 0.7} and view["catch_up_ms_per_plain_round"] == {"1": 0.3}
+    assert _budget_view({}, {"batch_budget": {"enabled": False}}, 1) is None

@@ -171,7 +171,8 @@ def test_deferred_catch_up_is_charged_to_plain_rounds():
     plain = BatchBudget((1, 12, 24))
     assert _run(plain, rids, times, curve)[-50:].count(1) >= 45
     owed = BatchBudget((1, 12, 24))
-    owed.catch_up_time(8, 24, 4.8)                  # 24 plain rounds caught up in 4.8 s
+    for _ in range(3):                              # min_samples catch-ups: 24 plain rounds in 4.8 s each
+        owed.catch_up_time(8, 24, 4.8)
     assert owed.cost(8, 1) == pytest.approx(0.2) and owed.summary()["catch_up_ms_per_plain_round"] == {"8": 200.0}
     assert _run(owed, rids, times, curve)[-50:].count(12) >= 45
     assert owed.cost(8, 1) == pytest.approx(1.2) and owed.cost(8, 12) == pytest.approx(3.2)
@@ -182,14 +183,57 @@ def test_a_short_catch_up_is_priced_as_a_full_stretch_pays_it():
     whole draft extend; charged to that one round it would price every plain round at a full
     extend while the budget speculates, which keeps it speculating. It is charged per round of
     the window (the widest width) instead, as a stretch of plain rounds pays it."""
-    b = BatchBudget((1, 12, 24))
+    b = BatchBudget((1, 12, 24), BatchBudgetConfig(min_samples=1))
     b.round_time(1, 1, 0.018)
     b.catch_up_time(1, 1, 0.007)                    # one plain round caught up by a 7 ms extend
     assert b.cost(1, 1) == pytest.approx(0.018 + 0.007 / 24)
-    b2 = BatchBudget((1, 12, 24))
+    b2 = BatchBudget((1, 12, 24), BatchBudgetConfig(min_samples=1))
     b2.round_time(1, 1, 0.018)
     b2.catch_up_time(1, 24, 0.024)                  # a full window: 1 ms per round covered
     assert b2.cost(1, 1) == pytest.approx(0.019)
+
+
+def test_a_slow_first_catch_up_does_not_price_plain_rounds_out():
+    """A catch-up is measured only after plain rounds. A slow first one (a first use: 2.4 s) priced
+    into plain rounds at once would keep the budget wide, and with no plain rounds no catch-up would
+    ever replace it. Plain rounds owe catch-ups from ``min_samples`` of them, their median."""
+    b = BatchBudget((1, 12, 24), BatchBudgetConfig(min_samples=3))
+    b.catch_up_time(1, 24, 2.4)
+    assert b.summary()["catch_up_ms_per_plain_round"] == {"1": 0.0}
+    rids = ["a"]
+    chosen = _run(b, rids, {1: 1.0, 12: 3.2, 24: 5.0}, {1: 1.0, 12: 3.0, 24: 3.5}, rounds=200)
+    assert chosen[-50:].count(1) >= 45
+    b.catch_up_time(1, 24, 0.024)
+    b.catch_up_time(1, 24, 0.024)                   # three catch-ups: the median, 1 ms per plain round
+    assert b.cost(1, 1) == pytest.approx(1.001)
+
+
+def test_a_stale_plain_time_is_measured_again_and_replaced():
+    """Plain rounds first measured slow (a busy phase: 4 s against 1 s later) price width 12 as best
+    and plain far outside ``explore_margin``. After ``explore_stale`` rounds plain is measured again
+    whatever its value, its old times are dropped, and the budget goes back to plain rounds."""
+    cfg = BatchBudgetConfig(explore_every=16, explore_stale=128, min_samples=3)
+    b = BatchBudget((1, 12, 24), cfg)
+    curve = {1: 1.0, 12: 3.0, 24: 3.5}
+    early = _run(b, ["a"], {1: 4.0, 12: 3.2, 24: 5.0}, curve, rounds=100)
+    assert 1 not in early[-50:] and early[-50:].count(12) >= 45   # plain priced out by its slow times
+    late = _run(b, ["a"], {1: 1.0, 12: 3.2, 24: 5.0}, curve, rounds=400)
+    assert late[-100:].count(1) >= 100 - 100 // 16 - 1, late     # width 12 stays within the margin: explored
+    assert b.summary()["round_ms"]["1"]["1"] == 1000.0
+
+
+def test_a_width_priced_out_is_run_again_once_stale():
+    """The other way round: width 12 measured dear in a busy phase is re-run after ``explore_stale``
+    rounds of plain ones (one round in ``explore_every`` at most), and taken once it pays."""
+    cfg = BatchBudgetConfig(explore_every=16, explore_stale=128, min_samples=3)
+    b = BatchBudget((1, 12, 24), cfg)
+    curve = {1: 1.0, 12: 3.0, 24: 3.5}
+    early = _run(b, ["a"], {1: 1.0, 12: 9.0, 24: 15.0}, curve, rounds=100)
+    assert early[-50:] == [1] * 50
+    late = _run(b, ["a"], {1: 1.0, 12: 1.5, 24: 15.0}, curve, rounds=400)
+    assert late[-100:].count(12) >= 95, late
+    explored = b.rounds_by_reason["explore"]
+    assert explored <= 9 + 500 // 16, b.rounds_by_reason     # min_samples x 3 widths, then 1 in 16
 
 
 def test_budget_measures_every_width_and_re_explores():
@@ -253,7 +297,8 @@ def test_the_base_width_is_priced_by_its_own_measurement_and_its_catch_up():
     model = b.cost_model()
     assert model is not None and model[0] == pytest.approx(0.040, rel=1e-3)
     b.round_time(1, 32, 0.050)                      # one plain round at 32 requests
-    b.catch_up_time(32, 24, 0.240)                  # 10 ms owed per plain round
+    for _ in range(2):                              # min_samples catch-ups: 10 ms owed per plain round
+        b.catch_up_time(32, 24, 0.240)
     assert b.cost(32, 1, model) == pytest.approx(0.060)
     assert b.cost(32, 12, model) == pytest.approx(0.050 + 0.040 + 0.0005 * 32 * 11, rel=1e-3)
 

@@ -151,6 +151,7 @@ def main(argv: List[str] | None = None) -> int:
             if widths:  # the batch budget: the mean width it verified per request and round
                 row["verify_widths"] = widths
                 row["verified_tokens_per_step"] = sum(int(w) * k for w, k in widths.items()) / sum(widths.values())
+            row["budget"] = _budget_view(before, after, c)
         outputs = [r.output_ids for r in result.results]
         if spec.method == "nospec" and c == min(a.concurrency):
             if mode == "greedy":
@@ -287,6 +288,27 @@ def _width_rounds(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, in
     """Decode rounds per verify width during one run (``/server_info`` ``verify_widths`` delta)."""
     b, a = before.get("verify_widths") or {}, after.get("verify_widths") or {}
     return {w: a[w] - b.get(w, 0) for w in a if a[w] - b.get(w, 0) > 0}
+
+
+def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int) -> Optional[Dict[str, Any]]:
+    """What the batch budget did during one run: its rounds per reason (``explore``, ``best``, ...;
+    `BatchBudget.summary` delta) and, after the run, the round times (ms per width) it priced the
+    run's batch-size buckets with (and before it), its corrections and the deferred catch-up charged per plain round.
+    None for a server without a budget."""
+    b, a = before.get("batch_budget") or {}, after.get("batch_budget") or {}
+    if "rounds_by_reason" not in a:
+        return None
+    reasons = {k: v - (b.get("rounds_by_reason") or {}).get(k, 0) for k, v in a["rounds_by_reason"].items()}
+    buckets = {str(1 << i) for i in range(max(1, concurrency).bit_length() + 1) if 1 << i <= max(1, concurrency)}
+    return {"rounds_by_reason": {k: v for k, v in reasons.items() if v > 0},
+            "round_ms_before": {k: v for k, v in (b.get("round_ms") or {}).items() if k in buckets},
+            "round_ms": {k: v for k, v in (a.get("round_ms") or {}).items() if k in buckets},
+            "correction": a.get("correction"),
+            "width_correction": {k: v for k, v in (a.get("width_correction") or {}).items()
+                                 if k.split("x")[0] in buckets},
+            "catch_up_ms_per_plain_round": {k: v for k, v in (a.get("catch_up_ms_per_plain_round") or {}).items()
+                                            if k in buckets},
+            "cost_model": a.get("cost_model")}
 
 
 def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
