@@ -290,11 +290,13 @@ def batch_budget(bench: Bench) -> str:
         row += [f"{r['graft_fixed']['tokens_per_s']:.0f} ({r['graft_fixed']['tau']:.2f})",
                 f"{g['tokens_per_s']:.0f}", f"{c['ratio']:.2f}", f"{g['tau']:.2f}", f"{spec:.0%}",
                 "/".join(str(vw.get(str(w), 0)) for w in widths)]
+        reasons = (g.get("budget") or {}).get("rounds_by_reason")
+        row.append(str(reasons.get("explore", 0)) if reasons is not None else "-")
         out.append(row)
     n = widths[-1]
     head = ["set", "mode", "conc", "no-spec"] + (["EAGLE-3 (tau)"] if eagle else []) + [
         f"graft N {n} (tau)", "graft budget", "budget / max", "budget tau", "speculative rounds",
-        "rounds " + "/".join(map(str, widths))]
+        "rounds " + "/".join(map(str, widths)), "explored"]
     return _md(head, out)
 
 
