@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from graft_spec.budget import BatchBudget, size_bucket
 from graft_spec.config import BatchBudgetConfig, GraftConfig
-from graft_spec.pipeline import GraftPlanner, on_path_from_accept_index
+from graft_spec.pipeline import GraftPlanner
 from graft_spec.sources import SOURCE_PADDING
 from graft_spec.tree import has_duplicate_siblings, validate_parents
 
