@@ -151,8 +151,7 @@ class BatchBudget:
         self._mean_n = 0
         self._predicted = 0.0         # decayed sum of predicted accepted nodes (bonus excluded) per request-round
         self._age: Dict[Hashable, int] = {}          # per request: rounds since its curve was observed
-        self._by_width: Dict[Tuple[int, int, bool], Tuple[float, float]] = {}   # (bucket, width, fresh): chosen-on, observed
-        self._own = (0.0, 0.0)        # decayed sums (own tree's gain, observed) over speculative request-rounds
+        self._by_width: Dict[Tuple[int, int], Tuple[float, float]] = {}   # (bucket, width): chosen-on, observed
         # per request: ((bucket, width), gain) its pending speculative rounds were chosen on
         self._decided: Dict[Hashable, Deque[Tuple[Tuple[int, int], float]]] = {}
         self._observed = 0.0
@@ -175,38 +174,24 @@ class BatchBudget:
         request-rounds enter with a weight ramping from 0 to 1 (the calibrator is still at its priors)."""
         return _shrunk_ratio(self._predicted, self._observed, _GLOBAL_PSEUDO_NODES, 1.0)
 
-    @property
-    def own_correction(self) -> float:
-        """Observed / predicted accepted nodes, predicted by each speculative round's own verified
-        tree (the tree-level bias of the calibration, without lag or selection)."""
-        return _shrunk_ratio(*self._own, _GLOBAL_PSEUDO_NODES, 1.0)
-
-    def width_correction(self, bucket: int, width: int, fresh: bool = False) -> float:
+    def width_correction(self, bucket: int, width: int) -> float:
         """The correction of rounds at ``width`` for batches in ``bucket``: their own observed /
-        chosen-on nodes, shrunk by ``_WIDTH_PSEUDO_NODES`` pseudo nodes toward the global
-        `correction` (``fresh``: toward `own_correction`). Per width because the rounds a width is
-        chosen for differ: on sampled chat a 24-wide round realised 38 tokens/s against 51 for plain
-        ones while 12-wide ones realised 75. Apart for requests whose curve is fresh (observed in the
-        round before): a curve decided on right after it was observed carries no staleness, and one
-        correction for both kinds priced a stretch of speculation by the rounds chosen on stale
-        curves, which accept fewer nodes."""
-        pred, obs = self._by_width.get((bucket, width, fresh), (0.0, 0.0))
-        return _shrunk_ratio(pred, obs, _WIDTH_PSEUDO_NODES, self.own_correction if fresh else self.correction)
-
-    def _fresh(self, rid: Hashable) -> bool:
-        return rid in self._curve and self._age.get(rid, 0) <= 1
+        chosen-on nodes, shrunk toward the global `correction` by ``_WIDTH_PSEUDO_NODES`` pseudo
+        nodes. Per width because the rounds a width is chosen for differ: on sampled chat a 24-wide
+        round realised 38 tokens/s against 51 for plain ones while 12-wide ones realised 75."""
+        pred, obs = self._by_width.get((bucket, width), (0.0, 0.0))
+        return _shrunk_ratio(pred, obs, _WIDTH_PSEUDO_NODES, self.correction)
 
     def expected_accept(self, rids: Sequence[Hashable], speculate: Sequence[bool],
                         bucket: Optional[int] = None) -> np.ndarray:
         """``float64[B, W]``: each request's expected accept length at every width, corrected by
         `width_correction` for ``bucket`` (None: by the global `correction`)."""
         out = np.ones((len(rids), len(self.widths)))
-        cs = {f: np.array([self.correction if bucket is None else self.width_correction(bucket, w, f)
-                           for w in self.widths]) for f in (False, True)}
+        c = np.array([self.correction if bucket is None else self.width_correction(bucket, w) for w in self.widths])
         for i, (rid, spec) in enumerate(zip(rids, speculate)):
             if spec:
                 curve = self._gain_curve(rid)
-                out[i] = 1.0 + cs[self._fresh(rid)] * np.maximum(curve - 1.0, 0.0)
+                out[i] = 1.0 + c * np.maximum(curve - 1.0, 0.0)
         out[:, [self._col[w] for w in self.widths if w <= 1]] = 1.0
         return out
 
@@ -227,10 +212,10 @@ class BatchBudget:
             return self._pick(self.widths[-1], len(rids), "fixed")
         width = self._choose(rids, speculate)
         if width > 1:  # what this decision expects, for the correction (`observe`)
-            col, bucket = self._col[width], size_bucket(len(rids))
+            col, key = self._col[width], (size_bucket(len(rids)), width)
             for rid, spec in zip(rids, speculate):
                 gain = float(self._gain_curve(rid)[col]) - 1.0 if spec else 0.0
-                self._decided.setdefault(rid, deque()).append(((bucket, width, self._fresh(rid)), max(gain, 0.0)))
+                self._decided.setdefault(rid, deque()).append((key, max(gain, 0.0)))
         return width
 
     def _gain_curve(self, rid: Hashable) -> np.ndarray:
@@ -398,7 +383,6 @@ class BatchBudget:
             curve = expected[i, : len(self.widths)]
             self._curve[rid] = curve
             self._age[rid] = 0
-            own = max(float(expected[i, -1]) - 1.0, 0.0)
             # an exact mean over the first 1 / _GAIN_EMA curves, a moving average after: starting
             # an EMA at "no gain" kept new requests at width 1, where no curve is ever observed
             self._mean_n += 1
@@ -412,7 +396,6 @@ class BatchBudget:
             w = min(1.0, self._mean_n / _WARM_REQUEST_ROUNDS)              # evidence weight (warm-up ramp)
             self._predicted, self._observed = _add_evidence((self._predicted, self._observed),
                                                             w * predicted, w * observed)
-            self._own = _add_evidence(self._own, w * own, w * observed)
             if key is not None:
                 self._by_width[key] = _add_evidence(self._by_width.get(key, (0.0, 0.0)), w * predicted, w * observed)
 
@@ -441,9 +424,8 @@ class BatchBudget:
                 "last_width": last.width if last else None, "last_batch_size": last.batch_size if last else None,
                 "last_batch_tokens": last.width * last.batch_size if last else None,
                 "last_reason": last.reason if last else None, "correction": round(self.correction, 4),
-                "width_correction": {f"{b}x{w}" + ("f" if f else ""): round(self.width_correction(b, w, f), 4)
-                                     for (b, w, f) in sorted(self._by_width)},
-                "own_correction": round(self.own_correction, 4),
+                "width_correction": {f"{b}x{w}": round(self.width_correction(b, w), 4)
+                                     for (b, w) in sorted(self._by_width)},
                 "round_ms": times, "tracked_requests": len(self._curve),
                 "catch_up_ms_per_plain_round": {str(b): round(self._owed(b) * 1e3, 3) for b in sorted(self._catch_up)},
                 "catch_up_seconds": round(self.catch_up_seconds, 3),
