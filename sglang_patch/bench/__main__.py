@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional
 import httpx
 from tqdm import tqdm
 
+from graft_spec.budget import size_bucket
 from sglang_patch.bench.client import run_prompts_sync, sampling_params
 from sglang_patch.bench.methods import METHODS, STAGE_THRESHOLDS, MethodSpec, build_methods, interleave_order
 from sglang_patch.bench.prompts import load_prompts, split_warmup
@@ -292,14 +293,15 @@ def _width_rounds(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, in
 
 def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int) -> Optional[Dict[str, Any]]:
     """What the batch budget did during one run: its rounds per reason (``explore``, ``best``, ...;
-    `BatchBudget.summary` delta) and, after the run, the round times (ms per width) it priced the
-    run's batch-size buckets with (and before it), its corrections and the deferred catch-up charged per plain round.
-    None for a server without a budget."""
+    `BatchBudget.summary` delta) and, for the batch-size buckets (`size_bucket`) a run at
+    ``concurrency`` reaches, the round times (ms per width) it priced with before and after the run,
+    its corrections and the deferred catch-up charged per plain round. None for a server without a
+    budget."""
     b, a = before.get("batch_budget") or {}, after.get("batch_budget") or {}
     if "rounds_by_reason" not in a:
         return None
     reasons = {k: v - (b.get("rounds_by_reason") or {}).get(k, 0) for k, v in a["rounds_by_reason"].items()}
-    buckets = {str(1 << i) for i in range(max(1, concurrency).bit_length() + 1) if 1 << i <= max(1, concurrency)}
+    buckets = {str(size_bucket(n)) for n in range(1, max(1, concurrency) + 1)}
     return {"rounds_by_reason": {k: v for k, v in reasons.items() if v > 0},
             "round_ms_before": {k: v for k, v in (b.get("round_ms") or {}).items() if k in buckets},
             "round_ms": {k: v for k, v in (a.get("round_ms") or {}).items() if k in buckets},
