@@ -250,7 +250,7 @@ class BatchBudget:
         best = max(self.widths, key=lambda w: (values[w], -w))
         if r % cfg.explore_every == 0:
             near = [w for w in self.widths if w != best and (values[w] >= (1.0 - cfg.explore_margin) * values[best]
-                                                            or r - self._time(bucket, w).last_round >= cfg.explore_stale)]
+                                                            or self._stale(self._time(bucket, w), r))]
             if near:
                 stale = min(near, key=lambda w: self._time(bucket, w).last_round)
                 return self._pick(stale, bs, "explore", values)
@@ -321,6 +321,11 @@ class BatchBudget:
         t = self._catch_up.get(bucket)
         return t.seconds if t is not None and t.samples >= self.config.min_samples else 0.0
 
+    def _stale(self, t: _Timing, now: int) -> bool:
+        """Whether the width timed by ``t`` has not run for ``explore_stale`` rounds of its bucket
+        (``now``: the bucket's round count)."""
+        return now - t.last_round >= self.config.explore_stale
+
     def _time(self, bucket: int, width: int) -> _Timing:
         t = self._timing.get((bucket, width))
         if t is None:
@@ -336,7 +341,7 @@ class BatchBudget:
         bucket = size_bucket(batch_size)
         t = self._time(bucket, width)
         now = self._rounds.get(bucket, 0)
-        if t.samples and now - t.last_round >= self.config.explore_stale:
+        if t.samples and self._stale(t, now):
             t.restart()   # re-measured after a long pause: the fresh time replaces the earlier ones
         t.add(float(seconds))
         self.seconds_by_width[width] += float(seconds)
