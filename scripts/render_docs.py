@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -273,6 +274,12 @@ def _widths(n: int) -> Tuple[int, ...]:
     return (1, math.ceil(n / 2), n)
 
 
+def _with_repeats(ratio: float, graft: dict) -> str:
+    """The cell's ratio, then each repeat's own in brackets when the run had ``--repeats``."""
+    each = (graft.get("per_repeat") or {}).get("vs_best_fixed") or []
+    return f"{ratio:.2f}" + (f" ({', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else "")
+
+
 def batch_budget(bench: Bench) -> str:
     cells = _budget_cells(bench)
     widths = _widths(cells[0]["rows"]["graft"]["num_draft_tokens"])
@@ -288,7 +295,7 @@ def batch_budget(bench: Bench) -> str:
         if eagle:
             row.append(f"{r['eagle3']['tokens_per_s']:.0f} ({r['eagle3']['tau']:.2f})")
         row += [f"{r['graft_fixed']['tokens_per_s']:.0f} ({r['graft_fixed']['tau']:.2f})",
-                f"{g['tokens_per_s']:.0f}", f"{c['ratio']:.2f}", f"{g['tau']:.2f}", f"{spec:.0%}",
+                f"{g['tokens_per_s']:.0f}", _with_repeats(c["ratio"], g), f"{g['tau']:.2f}", f"{spec:.0%}",
                 "/".join(str(vw.get(str(w), 0)) for w in widths)]
         reasons = (g.get("budget") or {}).get("rounds_by_reason")
         row.append(str(reasons.get("explore", 0)) if reasons is not None else "-")
@@ -307,6 +314,15 @@ def budget_mean_ratio(bench: Bench) -> str:
 
 def budget_ratio_range(bench: Bench) -> str:
     return _range([c["ratio"] for c in _budget_cells(bench)], "{:.2f}")
+
+
+def budget_repeat_spread(bench: Bench) -> str:
+    """Median and largest difference between the repeats of one cell's budget / max ratio."""
+    gaps = sorted(max(e) - min(e) for e in ((c["rows"]["graft"].get("per_repeat") or {}).get("vs_best_fixed")
+                                             for c in _budget_cells(bench)) if e and len(e) > 1)
+    if not gaps:
+        return "-"
+    return f"{statistics.median(gaps):.2f} (median), {gaps[-1]:.2f} (largest)"
 
 
 def budget_cells_095(bench: Bench) -> str:
@@ -412,6 +428,7 @@ FIGURES: Dict[str, Callable[[Bench], str]] = {
     "budget_mean_ratio": budget_mean_ratio,
     "budget_ratio_range": budget_ratio_range,
     "budget_cells_095": budget_cells_095,
+    "budget_repeat_spread": budget_repeat_spread,
     "budget_plain_cells": budget_plain_cells,
     "paired_median_greedy_1": _paired_median("greedy c1"),
     "paired_range": paired_range,

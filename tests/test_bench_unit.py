@@ -286,9 +286,49 @@ def test_budget_view_is_the_run_delta_for_its_buckets():
                               "round_ms": {"1": {"1": 14.0, "12": 52.0}, "4": {"1": 20.0}, "16": {"1": 40.0}},
                               "correction": 0.8, "width_correction": {"1x12": 0.7, "16x12": 0.5},
                               "catch_up_ms_per_plain_round": {"1": 0.3, "16": 1.0}, "cost_model": None}}
+    before["batch_budget"].update(tokens_by_width={"1": 100, "12": 40}, seconds_by_width={"1": 1.5, "12": 1.0})
+    after["batch_budget"].update(tokens_by_width={"1": 160, "12": 40, "24": 9}, seconds_by_width={"1": 2.5, "12": 1.0, "24": 0.2})
     view = _budget_view(before, after, 4)
     assert view["rounds_by_reason"] == {"explore": 2, "best": 60, "opt-out": 3}
+    assert view["tokens_by_width"] == {"1": 60, "24": 9} and view["seconds_by_width"] == {"1": 1.0, "24": 0.2}
     assert view["round_ms"] == {"1": {"1": 14.0, "12": 52.0}, "4": {"1": 20.0}}
     assert view["round_ms_before"] == {"1": {"1": 15.0, "12": 50.0}}
     assert view["width_correction"] == {"1x12": 0.7} and view["catch_up_ms_per_plain_round"] == {"1": 0.3}
     assert _budget_view({}, {"batch_budget": {"enabled": False}}, 1) is None
+
+
+def test_repeats_keep_each_runs_ratio_beside_the_mean():
+    """``--repeats 2``: a cell's rates are averaged over its runs, and ``per_repeat`` holds the
+    ratios each run gave on its own (here budget / max(no-spec, N every round): 0.9, then 1.2)."""
+    from sglang_patch.bench.__main__ import _add_per_repeat, _mean_row
+    from sglang_patch.bench.report import add_ratios
+
+    def row(method, label, n, rate, repeat, widths=None):
+        r = {"method": method, "label": label, "num_draft_tokens": n, "prompt_set": "code", "mode": "greedy",
+             "concurrency": 1, "seed": None, "repeat": repeat, "tau": 2.0, "tokens_per_s": rate, "wall_s": 1.0,
+             "mean_latency_s": 0.5, "output_tokens": 64, "verified_tokens_per_step": 1, "verify_steps": 32,
+             "accept_hist": [0, 32], "grafted_accept_share": None}
+        if widths:
+            r["verify_widths"] = widths
+            r["budget"] = {"rounds_by_reason": {"best": 31, "explore": repeat}, "correction": 0.5 + repeat,
+                           "tokens_by_width": {"1": 30, "24": 8}, "seconds_by_width": {"1": 0.3, "24": 0.1}}
+        return r
+
+    per_cell = {}
+    for k, (nospec, fixed, budget) in enumerate([(100.0, 80.0, 90.0), (50.0, 60.0, 72.0)]):
+        for r in (row("nospec", "nospec", None, nospec, k), row("graft_fixed", "graft_fixed_n24", 24, fixed, k),
+                  row("graft", "graft_n24", 24, budget, k, {"1": 30, "24": 2})):
+            per_cell.setdefault((r["label"], "code", "greedy", 1), []).append(r)
+    rows = [_mean_row(g) for g in per_cell.values()]
+    add_ratios(rows)
+    _add_per_repeat(rows, per_cell)
+    graft = next(r for r in rows if r["method"] == "graft")
+    assert graft["repeat"] == [0, 1] and graft["tokens_per_s"] == pytest.approx(81.0)
+    assert graft["verify_widths"] == {"1": 60, "24": 4}                            # rounds of both runs
+    assert graft["budget"]["rounds_by_reason"] == {"best": 62, "explore": 1}
+    assert graft["budget"]["tokens_by_width"] == {"1": 60, "24": 16} and graft["budget"]["correction"] == 1.5
+    assert graft["vs_best_fixed"] == pytest.approx(81.0 / 75.0)                  # of the averaged rates
+    assert graft["per_repeat"]["vs_best_fixed"] == pytest.approx([0.9, 1.2])    # each run on its own
+    assert graft["per_repeat"]["speedup_vs_nospec"] == pytest.approx([0.9, 1.44])
+    nospec = next(r for r in rows if r["method"] == "nospec")
+    assert "vs_best_fixed" not in nospec["per_repeat"]

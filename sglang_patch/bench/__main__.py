@@ -78,6 +78,10 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                         "measured paused (SIGSTOP), instead of one server after another: this machine's speed "
                         "drifts by a quarter between minutes, which a sequential run reads as a method's ratio "
                         "(memory: one server per method and N)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every cell on every server; with --interleave the server order is reversed "
+                        "between them (ABC then CBA), so each cell's ratio does not depend on which server ran "
+                        "first. Rates are averaged over the repeats; each repeat's ratios are in `per_repeat`")
     p.add_argument("--json", default="bench_out/bench.json", help="output JSON path (plots beside it)")
     a = p.parse_args(argv)
     a.prompt_sets = [_DEFAULT_SETS.get(spec, spec) for spec in a.prompt_sets]
@@ -115,8 +119,10 @@ def main(argv: List[str] | None = None) -> int:
         name, _, path = spec.partition("=")
         sets[name], warmup[name] = split_warmup(load_prompts(path, None, render), a.num_prompts, a.warmup_prompts)
     methods: List[MethodSpec] = build_methods(a.methods, a.budgets, a.depth, a.topk, a.draft, a.thresholds)
-    runs = [(s, m, c, seed) for s in sets for m in a.modes for c in a.concurrency
-            for seed in (a.seeds if m == "sampled" else [None])]
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats {a.repeats}: must be >= 1")
+    runs = [(s, m, c, seed, k) for s in sets for m in a.modes for c in a.concurrency
+            for seed in (a.seeds if m == "sampled" else [None]) for k in range(a.repeats)]
     out = Path(a.json)
     work = Path(tempfile.mkdtemp(prefix="graft_bench_"))
     rows: List[Dict[str, Any]] = []
@@ -127,7 +133,7 @@ def main(argv: List[str] | None = None) -> int:
     per_cell: Dict[tuple, List[Dict[str, Any]]] = {}
 
     def measure(server: "_Server", run: tuple) -> None:
-        set_name, mode, c, seed = run
+        set_name, mode, c, seed, repeat = run
         spec, srv = server.spec, server.srv
         bar.set_postfix_str(f"{spec.label} {set_name} {mode} c={c}")
         params = sampling_params(a.max_tokens, **(SAMPLED if mode == "sampled" else {}))
@@ -142,7 +148,7 @@ def main(argv: List[str] | None = None) -> int:
         result = run_prompts_sync(srv.url, sets[set_name], c, params)
         after = _graft_state(srv.url)
         row = {"method": spec.method, "label": spec.label, "num_draft_tokens": spec.num_draft_tokens,
-               "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed,
+               "prompt_set": set_name, "mode": mode, "concurrency": c, "seed": seed, "repeat": repeat,
                "startup_s": srv.startup_s, "flushed": flushed, **summarize(result, spec.num_draft_tokens or 1)}
         if before is not None and after is not None:
             row["calibration"] = calibration_delta(before, after)
@@ -203,10 +209,12 @@ def main(argv: List[str] | None = None) -> int:
                 row["outputs_equal_nospec"] = bad is None
                 if bad is not None:
                     mismatches.append(f"{server.spec.label} {set_name} c={c}: prompt {sets[set_name][bad].pid}")
-    for group in per_cell.values():   # sampled: one row, averaged over the seeds
+    for group in per_cell.values():   # one row per cell, averaged over the seeds and repeats
         rows.append(_mean_row(group) if len(group) > 1 else group[0])
     bar.close()
     add_ratios(rows)
+    if a.repeats > 1:
+        _add_per_repeat(rows, per_cell)
     payload = {"args": vars(a), "num_prompts": {k: len(v) for k, v in sets.items()},
                "warmup_prompts": {k: [p.pid for p in v] for k, v in warmup.items()}, "text_quality": quality,
                "rows": rows, "mismatches": mismatches}
@@ -295,12 +303,17 @@ def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int
     """What the batch budget did during one run: its rounds per reason (``explore``, ``best``, ...;
     `BatchBudget.summary` delta) and, for the batch-size buckets (`size_bucket`) a run at
     ``concurrency`` reaches, the round times (ms per width) it priced with before and after the run,
-    its corrections and the deferred catch-up charged per plain round. None for a server without a
-    budget."""
+    its corrections and the deferred catch-up charged per plain round, and the tokens emitted and wall
+    seconds spent per width during the run (their ratio: what each width's rounds realised). None for a
+    server without a budget."""
     b, a = before.get("batch_budget") or {}, after.get("batch_budget") or {}
     if "rounds_by_reason" not in a:
         return None
-    reasons = {k: v - (b.get("rounds_by_reason") or {}).get(k, 0) for k, v in a["rounds_by_reason"].items()}
+    def delta(field: str) -> Dict[str, float]:
+        d = {k: v - (b.get(field) or {}).get(k, 0) for k, v in (a.get(field) or {}).items()}
+        return {k: v for k, v in d.items() if v > 0}
+
+    reasons = delta("rounds_by_reason")
     buckets = {str(size_bucket(n)) for n in range(1, max(1, concurrency) + 1)}
     return {"rounds_by_reason": {k: v for k, v in reasons.items() if v > 0},
             "round_ms_before": {k: v for k, v in (b.get("round_ms") or {}).items() if k in buckets},
@@ -310,14 +323,38 @@ def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int
                                  if k.split("x")[0] in buckets},
             "catch_up_ms_per_plain_round": {k: v for k, v in (a.get("catch_up_ms_per_plain_round") or {}).items()
                                             if k in buckets},
-            "cost_model": a.get("cost_model")}
+            "cost_model": a.get("cost_model"),
+            "tokens_by_width": delta("tokens_by_width"),
+            "seconds_by_width": {k: round(v, 3) for k, v in delta("seconds_by_width").items()}}
+
+
+def _add_per_repeat(rows: List[Dict[str, Any]], per_cell: Dict[tuple, List[Dict[str, Any]]]) -> None:
+    """``per_repeat`` on every row: its cell's ratios (`add_ratios`) computed within each repeat apart,
+    {"tokens_per_s": [...], "speedup_vs_nospec": [...], "vs_best_fixed": [...] (graft rows)}, in
+    repeat order: the spread of one cell's ratio between runs a few minutes apart."""
+    repeats = sorted({g["repeat"] for group in per_cell.values() for g in group})
+    by_repeat = []
+    for k in repeats:
+        rk = [_mean_row(part) if len(part) > 1 else part[0]
+              for part in ([g for g in group if g["repeat"] == k] for group in per_cell.values()) if part]
+        add_ratios(rk)
+        by_repeat.append({(r["label"], r["prompt_set"], r["mode"], r["concurrency"]): r for r in rk})
+    for r in rows:
+        key = (r["label"], r["prompt_set"], r["mode"], r["concurrency"])
+        got = [b[key] for b in by_repeat if key in b]
+        r["per_repeat"] = {f: [x.get(f) for x in got] for f in ("tokens_per_s", "speedup_vs_nospec", "vs_best_fixed")
+                           if any(x.get(f) is not None for x in got)}
 
 
 def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One row for a sampled (set, mode, concurrency): rates and ``output_tokens`` averaged over the
-    seeds, ``verify_steps`` and ``accept_hist`` summed, each seed's tau in ``tau_per_seed``."""
+    """One row for a (set, mode, concurrency) run more than once (sampling seeds, ``--repeats``):
+    rates and ``output_tokens`` averaged over the runs; ``verify_steps``, ``accept_hist``, rounds per
+    width (``verify_widths``), draft forwards and the budget's rounds, tokens and seconds per reason and
+    width summed; the budget's prices as after the last run; each run's tau in ``tau_per_seed``, its
+    seed in ``seed`` and its repeat in ``repeat``."""
     row = dict(group[0])
     row["seed"] = [g["seed"] for g in group]
+    row["repeat"] = [g.get("repeat", 0) for g in group]
     row["tau_per_seed"] = [g["tau"] for g in group]
     for key in ("tau", "tokens_per_s", "wall_s", "mean_latency_s", "output_tokens", "verified_tokens_per_step"):
         row[key] = sum(g[key] for g in group) / len(group)
@@ -327,7 +364,23 @@ def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
     row["grafted_accept_share"] = sum(shares) / len(shares) if shares else None
     if "calibration" in row:
         row["calibration"] = merge_calibration([g["calibration"] for g in group])
+    for key in ("verify_widths", "draft_forwards"):
+        if key in row:
+            row[key] = _sum_counts(g.get(key) for g in group)
+    if row.get("budget"):
+        row["budget"] = dict(group[-1]["budget"])
+        for key in ("rounds_by_reason", "tokens_by_width", "seconds_by_width"):
+            row["budget"][key] = _sum_counts((g.get("budget") or {}).get(key) for g in group)
     return row
+
+
+def _sum_counts(dicts) -> Dict[str, float]:
+    """Key-wise sum of count dicts (None entries skipped)."""
+    out: Dict[str, float] = {}
+    for d in dicts:
+        for k, v in (d or {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 if __name__ == "__main__":
