@@ -319,12 +319,15 @@ def test_repeats_keep_each_runs_ratio_beside_the_mean():
         for r in (row("nospec", "nospec", None, nospec, k), row("graft_fixed", "graft_fixed_n24", 24, fixed, k),
                   row("graft", "graft_n24", 24, budget, k, {"1": 30, "24": 2})):
             per_cell.setdefault((r["label"], "code", "greedy", 1), []).append(r)
+    graft_runs = per_cell[("graft_n24", "code", "greedy", 1)]
+    graft_runs[0]["outputs_equal_nospec"], graft_runs[1]["outputs_equal_nospec"] = True, False
     rows = [_mean_row(g) for g in per_cell.values()]
     add_ratios(rows)
     _add_per_repeat(rows, per_cell)
     graft = next(r for r in rows if r["method"] == "graft")
     assert graft["repeat"] == [0, 1] and graft["tokens_per_s"] == pytest.approx(81.0)
     assert graft["verify_widths"] == {"1": 60, "24": 4}                            # rounds of both runs
+    assert graft["outputs_equal_nospec"] is False                                  # one run differed
     assert graft["budget"]["rounds_by_reason"] == {"best": 62, "explore": 1}
     assert graft["budget"]["tokens_by_width"] == {"1": 60, "24": 16} and graft["budget"]["correction"] == 1.5
     assert graft["vs_best_fixed"] == pytest.approx(81.0 / 75.0)                  # of the averaged rates

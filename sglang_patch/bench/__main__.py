@@ -350,8 +350,8 @@ def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One row for a (set, mode, concurrency) run more than once (sampling seeds, ``--repeats``):
     rates and ``output_tokens`` averaged over the runs; ``verify_steps``, ``accept_hist``, rounds per
     width (``verify_widths``), draft forwards and the budget's rounds, tokens and seconds per reason and
-    width summed; the budget's prices as after the last run; each run's tau in ``tau_per_seed``, its
-    seed in ``seed`` and its repeat in ``repeat``."""
+    width summed; the budget's prices as after the last run; ``outputs_equal_nospec`` only if every
+    run's were; each run's tau in ``tau_per_seed``, its seed in ``seed`` and its repeat in ``repeat``."""
     row = dict(group[0])
     row["seed"] = [g["seed"] for g in group]
     row["repeat"] = [g.get("repeat", 0) for g in group]
@@ -364,6 +364,8 @@ def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
     row["grafted_accept_share"] = sum(shares) / len(shares) if shares else None
     if "calibration" in row:
         row["calibration"] = merge_calibration([g["calibration"] for g in group])
+    if any("outputs_equal_nospec" in g for g in group):   # equal only if every run's outputs were
+        row["outputs_equal_nospec"] = all(g.get("outputs_equal_nospec", True) for g in group)
     for key in ("verify_widths", "draft_forwards"):
         if key in row:
             row[key] = _sum_counts(g.get(key) for g in group)
