@@ -313,9 +313,8 @@ def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int
         d = {k: v - (b.get(field) or {}).get(k, 0) for k, v in (a.get(field) or {}).items()}
         return {k: v for k, v in d.items() if v > 0}
 
-    reasons = delta("rounds_by_reason")
     buckets = {str(size_bucket(n)) for n in range(1, max(1, concurrency) + 1)}
-    return {"rounds_by_reason": {k: v for k, v in reasons.items() if v > 0},
+    return {"rounds_by_reason": delta("rounds_by_reason"),
             "round_ms_before": {k: v for k, v in (b.get("round_ms") or {}).items() if k in buckets},
             "round_ms": {k: v for k, v in (a.get("round_ms") or {}).items() if k in buckets},
             "correction": a.get("correction"),
