@@ -159,6 +159,9 @@ class BatchBudget:
         self.rounds_by_reason: Dict[str, int] = {}
         self.seconds_by_width: Dict[int, float] = {w: 0.0 for w in widths}
         self.tokens_by_width: Dict[int, int] = {w: 0 for w in widths}
+        #: the same two per (batch-size bucket, width): what a width's rounds realised at each batch size
+        self.seconds_by_bucket: Dict[Tuple[int, int], float] = {}
+        self.tokens_by_bucket: Dict[Tuple[int, int], int] = {}
         self.last: Optional[_Choice] = None
         self._scheduled = 0           # rounds taken from ``config.schedule``
         self._model: Optional[Tuple[float, float]] = None
@@ -345,6 +348,7 @@ class BatchBudget:
             t.restart()   # re-measured after a long pause: the fresh time replaces the earlier ones
         t.add(float(seconds))
         self.seconds_by_width[width] += float(seconds)
+        self.seconds_by_bucket[(bucket, width)] = self.seconds_by_bucket.get((bucket, width), 0.0) + float(seconds)
         self._model_dirty = True
         t.last_round = now
 
@@ -377,10 +381,14 @@ class BatchBudget:
             expected: ``float[B, W + 1]`` `RoundStats.expected` (expected accept length at every width,
                 then at the width verified), or None for a plain round.
             accept_lens: per request the tokens the round emitted (bonus included).
-            width: the round's verify width (counted in ``tokens_by_width``; None = not counted).
+            width: the round's verify width (counted in ``tokens_by_width`` and, for the batch-size
+                bucket of ``len(accept_lens)`` requests, ``tokens_by_bucket``; None = not counted).
         """
         if width in self.tokens_by_width:
-            self.tokens_by_width[width] += int(sum(accept_lens))
+            emitted = int(sum(accept_lens))
+            key = (size_bucket(len(accept_lens)), width)
+            self.tokens_by_width[width] += emitted
+            self.tokens_by_bucket[key] = self.tokens_by_bucket.get(key, 0) + emitted
         if expected is None:
             return
         expected = np.asarray(expected, dtype=np.float64)
@@ -413,7 +421,8 @@ class BatchBudget:
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict:
         """The ``/server_info`` view: widths, rounds per width and per reason, wall seconds spent and
-        tokens emitted per width (their ratio: the realised tokens/s of the budget's choices), the
+        tokens emitted per width and per batch-size bucket x width (``"16x12"``; their ratio: the
+        realised tokens/s of the budget's choices, at each batch size apart), the
         last choice, the corrections (global and per bucket x width), the measured round times
         (ms) per batch-size bucket and width and the fitted `cost_model` (ms; None before it fits)."""
         times: Dict[str, Dict[str, float]] = {}
@@ -426,6 +435,9 @@ class BatchBudget:
                 "rounds_by_reason": dict(self.rounds_by_reason),
                 "seconds_by_width": {str(k): round(v, 3) for k, v in self.seconds_by_width.items()},
                 "tokens_by_width": {str(k): v for k, v in self.tokens_by_width.items()},
+                "seconds_by_bucket_width": {f"{b}x{w}": round(v, 3)
+                                            for (b, w), v in sorted(self.seconds_by_bucket.items())},
+                "tokens_by_bucket_width": {f"{b}x{w}": v for (b, w), v in sorted(self.tokens_by_bucket.items())},
                 "last_width": last.width if last else None, "last_batch_size": last.batch_size if last else None,
                 "last_batch_tokens": last.width * last.batch_size if last else None,
                 "last_reason": last.reason if last else None, "correction": round(self.correction, 4),

@@ -288,7 +288,13 @@ def test_budget_view_is_the_run_delta_for_its_buckets():
                               "catch_up_ms_per_plain_round": {"1": 0.3, "16": 1.0}, "cost_model": None}}
     before["batch_budget"].update(tokens_by_width={"1": 100, "12": 40}, seconds_by_width={"1": 1.5, "12": 1.0})
     after["batch_budget"].update(tokens_by_width={"1": 160, "12": 40, "24": 9}, seconds_by_width={"1": 2.5, "12": 1.0, "24": 0.2})
+    before["batch_budget"].update(tokens_by_bucket_width={"1x1": 100, "1x12": 40},
+                                  seconds_by_bucket_width={"1x1": 1.5, "1x12": 1.0})
+    after["batch_budget"].update(tokens_by_bucket_width={"1x1": 130, "1x12": 40, "4x1": 30, "4x24": 9},
+                                 seconds_by_bucket_width={"1x1": 2.0, "1x12": 1.0, "4x1": 0.5, "4x24": 0.2})
     view = _budget_view(before, after, 4)
+    assert view["tokens_by_bucket_width"] == {"1x1": 30, "4x1": 30, "4x24": 9}
+    assert view["seconds_by_bucket_width"] == {"1x1": 0.5, "4x1": 0.5, "4x24": 0.2}
     assert view["rounds_by_reason"] == {"explore": 2, "best": 60, "opt-out": 3}
     assert view["tokens_by_width"] == {"1": 60, "24": 9} and view["seconds_by_width"] == {"1": 1.0, "24": 0.2}
     assert view["round_ms"] == {"1": {"1": 14.0, "12": 52.0}, "4": {"1": 20.0}}
@@ -311,7 +317,8 @@ def test_repeats_keep_each_runs_ratio_beside_the_mean():
         if widths:
             r["verify_widths"] = widths
             r["budget"] = {"rounds_by_reason": {"best": 31, "explore": repeat}, "correction": 0.5 + repeat,
-                           "tokens_by_width": {"1": 30, "24": 8}, "seconds_by_width": {"1": 0.3, "24": 0.1}}
+                           "tokens_by_width": {"1": 30, "24": 8}, "seconds_by_width": {"1": 0.3, "24": 0.1},
+                           "tokens_by_bucket_width": {"1x1": 30, "1x24": 8}}
         return r
 
     per_cell = {}
@@ -330,6 +337,7 @@ def test_repeats_keep_each_runs_ratio_beside_the_mean():
     assert graft["outputs_equal_nospec"] is False                                  # one run differed
     assert graft["budget"]["rounds_by_reason"] == {"best": 62, "explore": 1}
     assert graft["budget"]["tokens_by_width"] == {"1": 60, "24": 16} and graft["budget"]["correction"] == 1.5
+    assert graft["budget"]["tokens_by_bucket_width"] == {"1x1": 60, "1x24": 16}
     assert graft["vs_best_fixed"] == pytest.approx(81.0 / 75.0)                  # of the averaged rates
     assert graft["per_repeat"]["vs_best_fixed"] == pytest.approx([0.9, 1.2])    # each run on its own
     assert graft["per_repeat"]["speedup_vs_nospec"] == pytest.approx([0.9, 1.44])

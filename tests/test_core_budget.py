@@ -361,7 +361,12 @@ def test_budget_correction_compares_with_the_gain_a_width_was_chosen_on():
             b.observe(rids, np.array([[1.0, 4.0, 2.0]] * len(rids)), [2] * len(rids), width=w)
     assert b.correction < 0.45       # ~1 / 3 (+ its 2 pseudo-nodes at 1) once the first rounds age out
     assert chosen[-50:].count(1) >= 45
-    assert b.summary()["tokens_by_width"]["24"] == 2 * len(rids) * chosen.count(24)
+    summary = b.summary()
+    assert summary["tokens_by_width"]["24"] == 2 * len(rids) * chosen.count(24)
+    # the same per batch-size bucket (4 requests: bucket 4), beside the seconds its rounds took
+    assert summary["tokens_by_bucket_width"] == {"4x24": 2 * len(rids) * chosen.count(24)}
+    assert summary["seconds_by_bucket_width"] == {"4x1": pytest.approx(1.0 * chosen.count(1)),
+                                                  "4x24": pytest.approx(2.5 * chosen.count(24))}
 
 
 def test_budget_opt_out():

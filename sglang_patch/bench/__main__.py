@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -293,10 +295,17 @@ def _flush(url: str, tries: int = 20) -> None:
     raise RuntimeError(f"/flush_cache refused {tries} times: {r.status_code} {r.text[:200]}")
 
 
+def _count_delta(before: Dict[str, Any], after: Dict[str, Any], field: str) -> Dict[str, float]:
+    """The positive key-wise growth of the count dict ``field`` between two ``/server_info`` views
+    (keys that did not grow left out)."""
+    b = before.get(field) or {}
+    grown = {k: v - b.get(k, 0) for k, v in (after.get(field) or {}).items()}
+    return {k: v for k, v in grown.items() if v > 0}
+
+
 def _width_rounds(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, int]:
     """Decode rounds per verify width during one run (``/server_info`` ``verify_widths`` delta)."""
-    b, a = before.get("verify_widths") or {}, after.get("verify_widths") or {}
-    return {w: a[w] - b.get(w, 0) for w in a if a[w] - b.get(w, 0) > 0}
+    return _count_delta(before, after, "verify_widths")
 
 
 def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int) -> Optional[Dict[str, Any]]:
@@ -309,10 +318,7 @@ def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int
     b, a = before.get("batch_budget") or {}, after.get("batch_budget") or {}
     if "rounds_by_reason" not in a:
         return None
-    def delta(field: str) -> Dict[str, float]:
-        d = {k: v - (b.get(field) or {}).get(k, 0) for k, v in (a.get(field) or {}).items()}
-        return {k: v for k, v in d.items() if v > 0}
-
+    delta = functools.partial(_count_delta, b, a)
     buckets = {str(size_bucket(n)) for n in range(1, max(1, concurrency) + 1)}
     return {"rounds_by_reason": delta("rounds_by_reason"),
             "round_ms_before": {k: v for k, v in (b.get("round_ms") or {}).items() if k in buckets},
@@ -324,7 +330,9 @@ def _budget_view(before: Dict[str, Any], after: Dict[str, Any], concurrency: int
                                             if k in buckets},
             "cost_model": a.get("cost_model"),
             "tokens_by_width": delta("tokens_by_width"),
-            "seconds_by_width": {k: round(v, 3) for k, v in delta("seconds_by_width").items()}}
+            "seconds_by_width": {k: round(v, 3) for k, v in delta("seconds_by_width").items()},
+            "tokens_by_bucket_width": delta("tokens_by_bucket_width"),
+            "seconds_by_bucket_width": {k: round(v, 3) for k, v in delta("seconds_by_bucket_width").items()}}
 
 
 def _add_per_repeat(rows: List[Dict[str, Any]], per_cell: Dict[tuple, List[Dict[str, Any]]]) -> None:
@@ -370,18 +378,18 @@ def _mean_row(group: List[Dict[str, Any]]) -> Dict[str, Any]:
             row[key] = _sum_counts(g.get(key) for g in group)
     if row.get("budget"):
         row["budget"] = dict(group[-1]["budget"])
-        for key in ("rounds_by_reason", "tokens_by_width", "seconds_by_width"):
+        for key in ("rounds_by_reason", "tokens_by_width", "seconds_by_width", "tokens_by_bucket_width",
+                    "seconds_by_bucket_width"):
             row["budget"][key] = _sum_counts((g.get("budget") or {}).get(key) for g in group)
     return row
 
 
 def _sum_counts(dicts) -> Dict[str, float]:
     """Key-wise sum of count dicts (None entries skipped)."""
-    out: Dict[str, float] = {}
+    total: Counter = Counter()
     for d in dicts:
-        for k, v in (d or {}).items():
-            out[k] = out.get(k, 0) + v
-    return out
+        total.update(d or {})
+    return dict(total)
 
 
 if __name__ == "__main__":
