@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sglang_patch.bench.budget_rates import speculation_net_seconds  # noqa: E402  (standard library only)
 from sglang_patch.bench.peers import BEST_OF, peer_cells  # noqa: E402  (standard library only)
 
 BENCH = "docs/bench"
@@ -299,12 +300,23 @@ def batch_budget(bench: Bench) -> str:
                 "/".join(str(vw.get(str(w), 0)) for w in widths)]
         reasons = (g.get("budget") or {}).get("rounds_by_reason")
         row.append(str(reasons.get("explore", 0)) if reasons is not None else "-")
+        row.append(_net_seconds(g))
         out.append(row)
     n = widths[-1]
     head = ["set", "mode", "conc", "no-spec"] + (["EAGLE-3 (tau)"] if eagle else []) + [
         f"graft N {n} (tau)", "graft budget", "budget / max", "budget tau", "speculative rounds",
-        "rounds " + "/".join(map(str, widths)), "explored"]
+        "rounds " + "/".join(map(str, widths)), "explored", "speculating vs plain, s/run"]
     return _md(head, out)
+
+
+def _net_seconds(graft: dict) -> str:
+    """`speculation_net_seconds` of a budget row, per run: ``-0.77`` (saved), ``+0.11`` (cost), with
+    the share of speculative seconds it prices when below 100%; ``-`` without per-bucket counts."""
+    repeat = graft.get("repeat")
+    net = speculation_net_seconds(graft.get("budget") or {}, len(repeat) if isinstance(repeat, list) else 1)
+    if net is None:
+        return "-"
+    return f"{net['net_s']:+.2f}" + (f" ({net['covered']:.0%} priced)" if net["covered"] < 0.995 else "")
 
 
 def budget_mean_ratio(bench: Bench) -> str:

@@ -343,3 +343,24 @@ def test_repeats_keep_each_runs_ratio_beside_the_mean():
     assert graft["per_repeat"]["speedup_vs_nospec"] == pytest.approx([0.9, 1.44])
     nospec = next(r for r in rows if r["method"] == "nospec")
     assert "vs_best_fixed" not in nospec["per_repeat"]
+
+
+def test_speculation_is_priced_at_the_plain_rate_of_its_own_batch_size():
+    """A speculative round's tokens are priced at what plain rounds realised in the same batch-size
+    bucket: at bucket 1, 60 tokens in 1.0 s of 12-wide rounds against plain rounds of 60 tokens/s
+    breaks even; at bucket 4, 80 tokens in 1.0 s against 200 tokens/s costs 0.6 s; the 24-wide
+    rounds of bucket 2, which never ran plain, are not priced. Per run: halved over 2 runs."""
+    from sglang_patch.bench.budget_rates import speculation_net_seconds
+
+    budget = {"tokens_by_bucket_width": {"1x1": 120, "1x12": 60, "4x1": 400, "4x12": 80, "2x24": 30},
+              "seconds_by_bucket_width": {"1x1": 2.0, "1x12": 1.0, "4x1": 2.0, "4x12": 1.0, "2x24": 0.5}}
+    net = speculation_net_seconds(budget, runs=2)
+    assert net["net_s"] == pytest.approx((0.0 + 0.6) / 2)
+    assert net["covered"] == pytest.approx(2.0 / 2.5)
+    saved = speculation_net_seconds({"tokens_by_bucket_width": {"1x1": 60, "1x24": 90},
+                                     "seconds_by_bucket_width": {"1x1": 1.0, "1x24": 1.0}})
+    assert saved == {"net_s": pytest.approx(-0.5), "covered": 1.0}
+    assert speculation_net_seconds({"tokens_by_bucket_width": {"1x1": 5}, "seconds_by_bucket_width": {"1x1": 1.0}}) is None
+    assert speculation_net_seconds({}) is None
+    with pytest.raises(ValueError, match="runs=0"):
+        speculation_net_seconds(budget, runs=0)
