@@ -6,7 +6,10 @@ bucket x width (``tokens_by_bucket_width`` / ``seconds_by_bucket_width``, keys `
 prices every speculative round's tokens at the rate the same server's plain rounds realised at the
 same batch-size bucket: the time the speculative rounds took beyond what plain rounds would have
 needed for their tokens. Negative: speculating saved time; positive: it cost time. It compares the
-budget with its own alternative (stepping aside), not with a server without speculation.
+budget with its own alternative (stepping aside), not with a server without speculation. The
+deferred draft catch-ups are in neither time (the worker starts a round's clock after its
+catch-up), so the plain rate leaves out work plain rounds defer and the net leans, if anything,
+against speculating.
 """
 
 from __future__ import annotations
