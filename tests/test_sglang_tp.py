@@ -71,7 +71,10 @@ def _check_equal(runs: dict[int, list[dict]], reference: list[list[int]]) -> Non
 
 @pytest.mark.timeout(900)
 def test_tp2_graft_with_one_rank_perturbed_still_verifies_rank0s_tree(reference):
-    runs, log = _tp_run(GRAFT, "tp_graft_perturbed", env={"GRAFT_FAULT_PERTURB_RANK": "1"})
+    # every round speculates: the batch budget may step aside at concurrency 8 on two CPU ranks, and
+    # a plain round verifies no tree, so the accept length would say nothing about rank 0's trees
+    runs, log = _tp_run(GRAFT, "tp_graft_perturbed", env={"GRAFT_FAULT_PERTURB_RANK": "1",
+                                                          "GRAFTCFG_BATCH_BUDGET__ENABLED": "false"})
     _check_equal(runs, reference)
     assert "GRAFT_FAULT_PERTURB_RANK" in log, "the fault was not injected (no notice in the server log)"
     assert min(accept_length(outs) for outs in runs.values()) > 1.5
