@@ -157,9 +157,8 @@ class BatchBudget:
         self._observed = 0.0
         self.rounds_by_width: Dict[int, int] = {w: 0 for w in widths}
         self.rounds_by_reason: Dict[str, int] = {}
-        self.seconds_by_width: Dict[int, float] = {w: 0.0 for w in widths}
-        self.tokens_by_width: Dict[int, int] = {w: 0 for w in widths}
-        #: the same two per (batch-size bucket, width): what a width's rounds realised at each batch size
+        #: wall seconds spent and tokens emitted per (batch-size bucket, width): what a width's rounds
+        #: realised at each batch size (`summary` also sums them per width)
         self.seconds_by_bucket: Dict[Tuple[int, int], float] = {}
         self.tokens_by_bucket: Dict[Tuple[int, int], int] = {}
         self.last: Optional[_Choice] = None
@@ -347,7 +346,6 @@ class BatchBudget:
         if t.samples and self._stale(t, now):
             t.restart()   # re-measured after a long pause: the fresh time replaces the earlier ones
         t.add(float(seconds))
-        self.seconds_by_width[width] += float(seconds)
         self.seconds_by_bucket[(bucket, width)] = self.seconds_by_bucket.get((bucket, width), 0.0) + float(seconds)
         self._model_dirty = True
         t.last_round = now
@@ -381,14 +379,12 @@ class BatchBudget:
             expected: ``float[B, W + 1]`` `RoundStats.expected` (expected accept length at every width,
                 then at the width verified), or None for a plain round.
             accept_lens: per request the tokens the round emitted (bonus included).
-            width: the round's verify width (counted in ``tokens_by_width`` and, for the batch-size
-                bucket of ``len(accept_lens)`` requests, ``tokens_by_bucket``; None = not counted).
+            width: the round's verify width (its tokens are counted in ``tokens_by_bucket`` for the
+                batch-size bucket of ``len(accept_lens)`` requests; None = not counted).
         """
-        if width in self.tokens_by_width:
-            emitted = int(sum(accept_lens))
+        if width in self._col:
             key = (size_bucket(len(accept_lens)), width)
-            self.tokens_by_width[width] += emitted
-            self.tokens_by_bucket[key] = self.tokens_by_bucket.get(key, 0) + emitted
+            self.tokens_by_bucket[key] = self.tokens_by_bucket.get(key, 0) + int(sum(accept_lens))
         if expected is None:
             return
         expected = np.asarray(expected, dtype=np.float64)
@@ -412,6 +408,11 @@ class BatchBudget:
             if key is not None:
                 self._by_width[key] = _add_evidence(self._by_width.get(key, (0.0, 0.0)), w * predicted, w * observed)
 
+    @staticmethod
+    def _per_width(by_bucket: Dict[Tuple[int, int], float], width: int) -> float:
+        """A per-(bucket, width) count summed over the buckets, for ``width`` (0 when it never ran)."""
+        return sum(v for (_, w), v in by_bucket.items() if w == width)
+
     def forget(self, rid: Hashable) -> None:
         """Drop a finished request's gain curve."""
         self._curve.pop(rid, None)
@@ -433,8 +434,9 @@ class BatchBudget:
         model = self.cost_model()
         return {"widths": list(self.widths), "rounds_by_width": {str(k): v for k, v in self.rounds_by_width.items()},
                 "rounds_by_reason": dict(self.rounds_by_reason),
-                "seconds_by_width": {str(k): round(v, 3) for k, v in self.seconds_by_width.items()},
-                "tokens_by_width": {str(k): v for k, v in self.tokens_by_width.items()},
+                "seconds_by_width": {str(w): round(self._per_width(self.seconds_by_bucket, w), 3)
+                                     for w in self.widths},
+                "tokens_by_width": {str(w): self._per_width(self.tokens_by_bucket, w) for w in self.widths},
                 "seconds_by_bucket_width": {f"{b}x{w}": round(v, 3)
                                             for (b, w), v in sorted(self.seconds_by_bucket.items())},
                 "tokens_by_bucket_width": {f"{b}x{w}": v for (b, w), v in sorted(self.tokens_by_bucket.items())},
