@@ -383,27 +383,31 @@ def paired_range(bench: Bench) -> str:
     return f"{min(medians):.2f}-{max(medians):.2f}"
 
 
+#: Scheduler phases of the op census table: the round's forward, and the scheduling before it.
+_CENSUS_PHASES = {"run_batch": "round (`run_batch`)", "get_next_batch_to_run": "scheduling (`get_next_batch_to_run`)"}
+
+
 def op_census(bench: Bench) -> str:
     d = bench("op_census.json")
     ns, gp = d["servers"]["nospec"], d["servers"]["graft_plain"]
     rows = []
-    for key in sorted(set(ns) & set(gp), key=lambda k: (k.split()[0], k.split()[1], int(k.split("bs")[1]))):
-        if not key.startswith("run_batch"):
+    for key in sorted(set(ns) & set(gp), key=lambda k: (-len(k.split()[0]), k.split()[1], int(k.split("bs")[1]))):
+        phase, mode, bs = key.split()[0], key.split()[1], key.split("bs")[1]
+        if phase not in _CENSUS_PHASES or (phase != "run_batch" and mode != "DECODE") or bs == "0":
             continue
         a, b = ns[key], gp[key]
-        mode, bs = key.split()[1], key.split("bs")[1]
-        rows.append([mode, bs, f"{a['kernels_per_round']:.0f}", f"{b['kernels_per_round']:.0f}",
+        rows.append([_CENSUS_PHASES[phase], mode, bs, f"{a['kernels_per_round']:.0f}", f"{b['kernels_per_round']:.0f}",
                      f"{b['kernels_per_round'] - a['kernels_per_round']:+.0f}",
                      f"{a['syncs_per_round']:.0f} / {b['syncs_per_round']:.0f}"])
-    return _md(["round", "batch", "no-spec kernels", "graft plain kernels", "extra", "syncs (no-spec / graft)"],
-               rows)
+    return _md(["phase", "forward mode", "batch", "no-spec kernels", "graft plain kernels", "extra",
+                "syncs (no-spec / graft)"], rows)
 
 
-def _census_extra(key: str) -> Callable[[Bench], str]:
+def _census_extra(*keys: str) -> Callable[[Bench], str]:
     def fig(bench: Bench) -> str:
         d = bench("op_census.json")
-        a, b = d["servers"]["nospec"][key], d["servers"]["graft_plain"][key]
-        return f"{b['kernels_per_round'] - a['kernels_per_round']:+.0f}"
+        ns, gp = d["servers"]["nospec"], d["servers"]["graft_plain"]
+        return f"{sum(gp[k]['kernels_per_round'] - ns[k]['kernels_per_round'] for k in keys):+.0f}"
     return fig
 
 
@@ -446,6 +450,9 @@ FIGURES: Dict[str, Callable[[Bench], str]] = {
     "paired_range": paired_range,
     "census_extra_kernels_1": _census_extra("run_batch DECODE bs1"),
     "census_extra_kernels_4": _census_extra("run_batch DECODE bs4"),
+    "census_extra_scheduling_1": _census_extra("get_next_batch_to_run DECODE bs1"),
+    "census_extra_decode_1": _census_extra("run_batch DECODE bs1", "get_next_batch_to_run DECODE bs1"),
+    "census_extra_decode_4": _census_extra("run_batch DECODE bs4", "get_next_batch_to_run DECODE bs4"),
 }
 
 

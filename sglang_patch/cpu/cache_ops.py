@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
-def _ragged(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ragged(starts: torch.Tensor, ends: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """``(owner, col)``: for the concatenation over i of ranges ``[starts[i], ends[i])``, the row
-    ``i`` and the column of every element (int64)."""
-    starts = starts.to(torch.int64)
-    lens = ends.to(torch.int64) - starts
-    total = int(lens.sum()) if lens.numel() else 0
-    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens,
-                                    output_size=total)
-    first = torch.cumsum(lens, 0) - lens
-    col = starts[owner] + torch.arange(total, device=lens.device) - first[owner]
+    ``i`` and the column of every element (int64 arrays).
+
+    The index arithmetic runs in numpy on the CPU tensors' memory (zero-copy views, no torch
+    dispatch and no device to wait for), so a ragged stand-in dispatches only its gather or scatter,
+    as the Triton kernel it replaces is one launch.
+    """
+    s = starts.numpy().astype(np.int64)
+    lens = ends.numpy().astype(np.int64) - s
+    owner = np.repeat(np.arange(lens.size), lens)
+    col = s[owner] + np.arange(owner.size) - (np.cumsum(lens) - lens)[owner]
     return owner, col
 
 
@@ -30,14 +33,15 @@ def _ragged_gather(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch
                    ends: torch.Tensor) -> torch.Tensor:
     """Concatenation over i of ``req_to_token[rows[i], starts[i]:ends[i]]`` as int64."""
     owner, col = _ragged(starts, ends)
-    return req_to_token[rows.to(torch.int64)[owner], col].to(torch.int64)
+    return req_to_token[torch.from_numpy(rows.numpy().astype(np.int64)[owner]), torch.from_numpy(col)].to(torch.int64)
 
 
 def _window_gather(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
     """Concatenation over i of ``req_to_token[rows[i], starts[i]:starts[i] + width]`` as int64
     (a fixed-width window: one static-shape gather, the fixed-width twin of `_ragged_gather`)."""
-    cols = starts.to(torch.int64)[:, None] + torch.arange(width, device=starts.device)
-    return req_to_token[rows.to(torch.int64)[:, None], cols].reshape(-1).to(torch.int64)
+    cols = starts.numpy().astype(np.int64)[:, None] + np.arange(width)   # host index arithmetic, as `_ragged`
+    rows = rows.numpy().astype(np.int64)[:, None]
+    return req_to_token[torch.from_numpy(rows), torch.from_numpy(cols)].reshape(-1).to(torch.int64)
 
 
 def assign_req_to_token_pool_func(
@@ -49,10 +53,12 @@ def assign_req_to_token_pool_func(
     batch_size: int,
 ) -> None:
     """Replaces ``assign_req_to_token_pool_func`` (mem_cache/allocation.py:737): writes
-    ``req_to_token[r_i, start_i:end_i]`` from consecutive pieces of ``out_cache_loc``."""
+    ``req_to_token[r_i, start_i:end_i]`` from consecutive pieces of ``out_cache_loc``, in one
+    scatter (the index arithmetic on the host, `_ragged`)."""
     owner, col = _ragged(start_offset[:batch_size], end_offset[:batch_size])
-    rows = req_pool_indices[:batch_size].to(torch.int64)[owner]
-    req_to_token[rows, col] = out_cache_loc[: col.numel()].to(req_to_token.dtype)
+    rows = req_pool_indices[:batch_size].numpy().astype(np.int64)[owner]
+    locs = out_cache_loc[: col.size].numpy().astype(req_to_token.numpy().dtype)
+    req_to_token.index_put_((torch.from_numpy(rows), torch.from_numpy(col)), torch.from_numpy(locs))
 
 
 def assign_draft_cache_locs_contiguous_func(
