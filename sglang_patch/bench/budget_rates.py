@@ -37,13 +37,16 @@ def speculation_net_seconds(budget: Dict[str, Any], runs: int = 1) -> Optional[D
         raise ValueError(f"runs={runs}: must be >= 1")
     tokens = budget.get("tokens_by_bucket_width") or {}
     seconds = budget.get("seconds_by_bucket_width") or {}
-    spec = {k: s for k, s in seconds.items() if int(k.split("x")[1]) > 1 and s > 0}
+    spec = {}   # speculative (bucket x width) key -> (its seconds, the same bucket's plain key)
+    for key, s in seconds.items():
+        bucket, width = key.split("x")
+        if int(width) > 1 and s > 0:
+            spec[key] = (s, f"{bucket}x1")
     if not spec:
         return None
     net = covered = 0.0
-    for key, s in spec.items():
-        plain = key.split("x")[0] + "x1"
+    for key, (s, plain) in spec.items():
         if seconds.get(plain, 0) > 0 and tokens.get(plain, 0) > 0:
             net += s - tokens.get(key, 0) * seconds[plain] / tokens[plain]
             covered += s
-    return {"net_s": net / runs, "covered": covered / sum(spec.values())}
+    return {"net_s": net / runs, "covered": covered / sum(s for s, _ in spec.values())}
