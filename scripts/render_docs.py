@@ -349,6 +349,44 @@ def budget_plain_cells(bench: Bench) -> str:
     return f"{plain} of {len(cells)}"
 
 
+def _fixed_vs_nospec(bench: Bench) -> List[float]:
+    return [c["rows"]["graft_fixed"]["tokens_per_s"] / c["rows"]["nospec"]["tokens_per_s"] for c in _budget_cells(bench)]
+
+
+def budget_fixed_vs_nospec(bench: Bench) -> str:
+    """Where N every round beat no-spec, and its range of ratios where it lost."""
+    ratios = _fixed_vs_nospec(bench)
+    won, lost = [r for r in ratios if r > 1.0], [r for r in ratios if r <= 1.0]
+    parts = [f"beat no-spec in {len(won)} of {len(ratios)} cells"
+             + (f" ({_range(won, '{:.2f}')}x)" if won else "")]
+    if lost:
+        parts.append(f"lost in {len(lost)} ({_range(lost, '{:.2f}')}x)")
+    return " and ".join(parts)
+
+
+def budget_speculation_net(bench: Bench) -> str:
+    """How the budget's speculative rounds did against its plain rounds, over the cells."""
+    nets, runs = [], []
+    for c in _budget_cells(bench):
+        g = c["rows"]["graft"]
+        repeat = g.get("repeat")
+        net = speculation_net_seconds(g.get("budget") or {}, len(repeat) if isinstance(repeat, list) else 1)
+        if net is not None:
+            nets.append(net["net_s"])
+            runs.append(net["net_s"] / g["wall_s"] if g.get("wall_s") else None)   # wall_s: one run's
+    if not nets:
+        return "-"
+    saved, cost = [n for n in nets if n < 0], [(n, r) for n, r in zip(nets, runs) if n >= 0]
+    text = f"saved time in {len(saved)} cells of {len(_budget_cells(bench))}"
+    if saved:
+        text += f" (up to {-min(saved):.2f} s a run)"
+    if cost:
+        shares = [r for _, r in cost if r is not None]
+        text += f" and cost time in {len(cost)}, at most {max(n for n, _ in cost):.2f} s a run" + (
+            f" or {max(shares):.0%} of a run" if shares else "")
+    return text
+
+
 # --- a plain round against SGLang's decode step (sglang_patch.bench.paired) -----------------------------
 
 def paired(bench: Bench) -> str:
@@ -442,6 +480,8 @@ FIGURES: Dict[str, Callable[[Bench], str]] = {
     "cuda_kernels": cuda_kernels,
     "cuda_one_graph_ms": cuda_one_graph_ms,
     "budget_mean_ratio": budget_mean_ratio,
+    "budget_fixed_vs_nospec": budget_fixed_vs_nospec,
+    "budget_speculation_net": budget_speculation_net,
     "budget_ratio_range": budget_ratio_range,
     "budget_cells_095": budget_cells_095,
     "budget_repeat_spread": budget_repeat_spread,
