@@ -27,7 +27,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -309,11 +309,16 @@ def batch_budget(bench: Bench) -> str:
     return _md(head, out)
 
 
-def _net_seconds(graft: dict) -> str:
-    """`speculation_net_seconds` of a budget row, per run: ``-0.77`` (saved), ``+0.11`` (cost), with
-    the share of speculative seconds it prices when below 100%; ``-`` without per-bucket counts."""
+def _speculation_net(graft: dict) -> Optional[Dict[str, float]]:
+    """`speculation_net_seconds` of a budget row, per run (None without per-bucket counts)."""
     repeat = graft.get("repeat")
-    net = speculation_net_seconds(graft.get("budget") or {}, len(repeat) if isinstance(repeat, list) else 1)
+    return speculation_net_seconds(graft.get("budget") or {}, len(repeat) if isinstance(repeat, list) else 1)
+
+
+def _net_seconds(graft: dict) -> str:
+    """`_speculation_net` as a cell: ``-0.77`` (saved), ``+0.11`` (cost), with the share of
+    speculative seconds it prices when below 100%; ``-`` without per-bucket counts."""
+    net = _speculation_net(graft)
     if net is None:
         return "-"
     return f"{net['net_s']:+.2f}" + (f" ({net['covered']:.0%} priced)" if net["covered"] < 0.995 else "")
@@ -349,13 +354,10 @@ def budget_plain_cells(bench: Bench) -> str:
     return f"{plain} of {len(cells)}"
 
 
-def _fixed_vs_nospec(bench: Bench) -> List[float]:
-    return [c["rows"]["graft_fixed"]["tokens_per_s"] / c["rows"]["nospec"]["tokens_per_s"] for c in _budget_cells(bench)]
-
-
 def budget_fixed_vs_nospec(bench: Bench) -> str:
     """Where N every round beat no-spec, and its range of ratios where it lost."""
-    ratios = _fixed_vs_nospec(bench)
+    ratios = [c["rows"]["graft_fixed"]["tokens_per_s"] / c["rows"]["nospec"]["tokens_per_s"]
+              for c in _budget_cells(bench)]
     won, lost = [r for r in ratios if r > 1.0], [r for r in ratios if r <= 1.0]
     parts = [f"beat no-spec in {len(won)} of {len(ratios)} cells"
              + (f" ({_range(won, '{:.2f}')}x)" if won else "")]
@@ -366,18 +368,20 @@ def budget_fixed_vs_nospec(bench: Bench) -> str:
 
 def budget_speculation_net(bench: Bench) -> str:
     """How the budget's speculative rounds did against its plain rounds, over the cells."""
-    nets, runs = [], []
-    for c in _budget_cells(bench):
+    cells = _budget_cells(bench)
+    saved, cost = [], []   # net seconds per run; (net seconds, share of the run) where it cost
+    for c in cells:
         g = c["rows"]["graft"]
-        repeat = g.get("repeat")
-        net = speculation_net_seconds(g.get("budget") or {}, len(repeat) if isinstance(repeat, list) else 1)
-        if net is not None:
-            nets.append(net["net_s"])
-            runs.append(net["net_s"] / g["wall_s"] if g.get("wall_s") else None)   # wall_s: one run's
-    if not nets:
+        net = _speculation_net(g)
+        if net is None:
+            continue
+        if net["net_s"] < 0:
+            saved.append(net["net_s"])
+        else:   # wall_s: one run's
+            cost.append((net["net_s"], net["net_s"] / g["wall_s"] if g.get("wall_s") else None))
+    if not saved and not cost:
         return "-"
-    saved, cost = [n for n in nets if n < 0], [(n, r) for n, r in zip(nets, runs) if n >= 0]
-    text = f"saved time in {len(saved)} cells of {len(_budget_cells(bench))}"
+    text = f"saved time in {len(saved)} cells of {len(cells)}"
     if saved:
         text += f" (up to {-min(saved):.2f} s a run)"
     if cost:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_patch.bench.step import OpCounter
 from sglang_patch.cpu import attention, cache_ops, hashing, rotary, sampling, tree_ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -493,26 +494,6 @@ def test_cache_loc_ops_match_reference():
     assert acl.tolist() == [500, 502, 504, 506, 507, 508, 0, 0, 0]
 
 
-def _dispatched(fn) -> list:
-    """The torch ops ``fn()`` dispatches that launch a kernel on a GPU (views excluded, as in
-    ``python -m sglang_patch.bench.op_census``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from sglang_patch.bench.op_census import VIEW_OPS
-
-    seen = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func) not in VIEW_OPS:
-                seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return seen
-
-
 def test_ragged_slot_writes_dispatch_one_scatter():
     """SGLang's decode allocation (``assign_req_to_token_pool_func``, one Triton launch) runs in every
     speculative server's decode round: its stand-in is one scatter, the index arithmetic on the host."""
@@ -521,8 +502,9 @@ def test_ragged_slot_writes_dispatch_one_scatter():
         torch.tensor([6, 0, 12], dtype=torch.int32)
     locs = torch.arange(40, 44, dtype=torch.int64)
     got = r2t.clone()
-    assert _dispatched(lambda: cache_ops.assign_req_to_token_pool_func(rpi, got, start, end, locs, 3)) == \
-        ["aten.index_put_.default"]
+    with OpCounter() as ops:   # kernels: views excluded, as in the step benchmark and the op census
+        cache_ops.assign_req_to_token_pool_func(rpi, got, start, end, locs, 3)
+    assert ops.names == {"index_put_": 1}
     expect = r2t.clone()
     expect[3, 5], expect[4, 9:12] = 40, torch.tensor([41, 42, 43], dtype=r2t.dtype)
     assert torch.equal(got, expect)

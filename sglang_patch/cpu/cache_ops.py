@@ -14,16 +14,18 @@ import numpy as np
 import torch
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """An index tensor as int64 numpy on the host: the stand-ins' index arithmetic runs in numpy on
+    the CPU tensors' memory (no torch dispatch, no device to wait for), so each dispatches only its
+    gather or scatter, as the Triton kernel it replaces is one launch."""
+    return t.numpy().astype(np.int64)
+
+
 def _ragged(starts: torch.Tensor, ends: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """``(owner, col)``: for the concatenation over i of ranges ``[starts[i], ends[i])``, the row
-    ``i`` and the column of every element (int64 arrays).
-
-    The index arithmetic runs in numpy on the CPU tensors' memory (zero-copy views, no torch
-    dispatch and no device to wait for), so a ragged stand-in dispatches only its gather or scatter,
-    as the Triton kernel it replaces is one launch.
-    """
-    s = starts.numpy().astype(np.int64)
-    lens = ends.numpy().astype(np.int64) - s
+    ``i`` and the column of every element (int64 arrays, computed on the host: `_host`)."""
+    s = _host(starts)
+    lens = _host(ends) - s
     owner = np.repeat(np.arange(lens.size), lens)
     col = s[owner] + np.arange(owner.size) - (np.cumsum(lens) - lens)[owner]
     return owner, col
@@ -33,15 +35,14 @@ def _ragged_gather(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch
                    ends: torch.Tensor) -> torch.Tensor:
     """Concatenation over i of ``req_to_token[rows[i], starts[i]:ends[i]]`` as int64."""
     owner, col = _ragged(starts, ends)
-    return req_to_token[torch.from_numpy(rows.numpy().astype(np.int64)[owner]), torch.from_numpy(col)].to(torch.int64)
+    return req_to_token[torch.from_numpy(_host(rows)[owner]), torch.from_numpy(col)].to(torch.int64)
 
 
 def _window_gather(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
     """Concatenation over i of ``req_to_token[rows[i], starts[i]:starts[i] + width]`` as int64
     (a fixed-width window: one static-shape gather, the fixed-width twin of `_ragged_gather`)."""
-    cols = starts.numpy().astype(np.int64)[:, None] + np.arange(width)   # host index arithmetic, as `_ragged`
-    rows = rows.numpy().astype(np.int64)[:, None]
-    return req_to_token[torch.from_numpy(rows), torch.from_numpy(cols)].reshape(-1).to(torch.int64)
+    cols = _host(starts)[:, None] + np.arange(width)
+    return req_to_token[torch.from_numpy(_host(rows)[:, None]), torch.from_numpy(cols)].reshape(-1).to(torch.int64)
 
 
 def assign_req_to_token_pool_func(
@@ -56,7 +57,7 @@ def assign_req_to_token_pool_func(
     ``req_to_token[r_i, start_i:end_i]`` from consecutive pieces of ``out_cache_loc``, in one
     scatter (the index arithmetic on the host, `_ragged`)."""
     owner, col = _ragged(start_offset[:batch_size], end_offset[:batch_size])
-    rows = req_pool_indices[:batch_size].numpy().astype(np.int64)[owner]
+    rows = _host(req_pool_indices[:batch_size])[owner]
     locs = out_cache_loc[: col.size].numpy().astype(req_to_token.numpy().dtype)
     req_to_token.index_put_((torch.from_numpy(rows), torch.from_numpy(col)), torch.from_numpy(locs))
 
